@@ -1,0 +1,199 @@
+"""Engine configuration: pydantic models, YAML stack files, keyword overrides.
+
+A stack file is YAML with the sections below (all optional) and `plugins`, the ordered list
+of plugins with their options:
+
+    model: {model: scripted, max_model_len: 512}
+    scheduler: {max_num_batched_tokens: 256, max_num_seqs: 16}
+    cache: {block_size: 16, num_kv_blocks: 128, enable_prefix_caching: true}
+    plugins:
+      - reference-scheduler
+      - name: default-sampler
+        options: {}
+
+`LLM(**kw)` keywords override fields by their (unique) name, e.g. `max_num_seqs=64`.
+Every error names the file, the key path and what was expected.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tandem.core.sampling_params import format_validation_error
+
+logger = logging.getLogger("tandem.config")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the source, the key path and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Which model runs. `model` is `default` (the embedded SmolLM2), `scripted` (the
+    deterministic test model), a local HF directory or a `.gguf` file."""
+
+    model: str = "default"
+    tokenizer: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = 0
+    max_model_len: int | None = Field(None, ge=2)
+    vocab_size: int | None = Field(None, ge=2, description="scripted model only")
+    eos_token_id: int | None = Field(None, ge=0, description="scripted model only")
+
+
+class SchedulerConfig(_Section):
+    """Token and sequence budgets and policy, with vLLM's names."""
+
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    long_prefill_token_threshold: int = Field(0, ge=0, description="0 disables")
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    async_scheduling: bool | None = None
+
+
+class CacheConfig(_Section):
+    """Paged KV cache shape."""
+
+    block_size: int = Field(16, ge=1)
+    num_kv_blocks: int | None = Field(None, ge=1, description="explicit pool size")
+    enable_prefix_caching: bool = True
+
+
+class SpeculativeConfig(_Section):
+    """Speculative decoding, as vLLM's `speculative_config`."""
+
+    method: Literal["ngram", "eagle", "draft_model", "scripted"]
+    num_speculative_tokens: int = Field(ge=1)
+    prompt_lookup_min: int = Field(1, ge=1)
+    prompt_lookup_max: int = Field(3, ge=1)
+    model: str | None = None
+
+
+class StructuredOutputConfig(_Section):
+    backend: Literal["auto", "xgrammar", "outlines"] = "auto"
+
+
+class ParallelConfig(_Section):
+    """Where the model runs. Only `pipeline_parallel_size == 1` is implemented."""
+
+    executor: Literal["inprocess", "thread", "process", "simulated"] = "inprocess"
+    pipeline_parallel_size: int = Field(1, ge=1, le=1)
+    worker_num_threads: int = Field(1, ge=1)
+
+
+class PluginSpec(_Section):
+    """One entry of the stack: a plugin name (entry point in `tandem.plugins`) and options."""
+
+    name: str
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class EngineConfig(_Section):
+    """The whole configuration. `plugins=None` means the default stack."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    speculative: SpeculativeConfig | None = None
+    structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    plugins: list[PluginSpec] | None = None
+    check_invariants: bool = False
+    trace_hooks: bool = False
+
+    @field_validator("plugins", mode="before")
+    @classmethod
+    def _plugin_names_as_specs(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return [{"name": v} if isinstance(v, str) else v for v in value]
+        return value
+
+    @property
+    def max_model_len(self) -> int:
+        if self.model.max_model_len is None:
+            raise ConfigError("model.max_model_len is not resolved yet")
+        return self.model.max_model_len
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative else 0
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """2 under async scheduling (one step executing while the next is planned), else 1."""
+        return 2 if self.scheduler.async_scheduling else 1
+
+
+_SECTIONS = ("model", "scheduler", "cache", "speculative", "structured_output", "parallel")
+_TOP_LEVEL = ("plugins", "check_invariants", "trace_hooks")
+
+
+def _override_target(key: str) -> tuple[str | None, str]:
+    """Map a flat keyword (vLLM style) to (section, field); raise for unknown names."""
+    if key in _TOP_LEVEL or key in _SECTIONS and key != "model":
+        return None, key
+    if key == "speculative_config":
+        return None, "speculative"
+    for section in _SECTIONS:
+        model_cls = EngineConfig.model_fields[section].annotation
+        fields = getattr(model_cls, "model_fields", None)
+        if fields is None:  # Optional[...] section
+            fields = SpeculativeConfig.model_fields
+        if key in fields:
+            return section, key
+    raise ConfigError(f"unknown engine option {key!r}: not a field of any config section")
+
+
+def load_config(
+    path: str | Path | EngineConfig | None = None, **overrides: Any
+) -> EngineConfig:
+    """Read an optional YAML stack file (or start from an `EngineConfig`), apply keyword
+    overrides, validate.
+
+    Raises `ConfigError` naming the file, the key path and the expectation for bad YAML,
+    an unknown key or a wrong type.
+    """
+    source = str(path) if isinstance(path, (str, Path)) else "<keywords>"
+    data: dict[str, Any] = {}
+    if isinstance(path, EngineConfig):
+        data = path.model_dump(exclude_unset=True)
+    elif path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"{source}: cannot read stack file ({exc.strerror})") from exc
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: invalid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                f"{source}: <root>: expected a mapping of sections, got {type(loaded).__name__}"
+            )
+        data = loaded
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        section, field = _override_target(key)
+        if section is None:
+            data[field] = value
+        else:
+            target = data.setdefault(section, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"{source}: {section}: expected a mapping")
+            target[field] = value
+    try:
+        return EngineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source)) from exc

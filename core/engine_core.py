@@ -1,0 +1,219 @@
+"""The engine loop. `step()` and `step_with_batch_queue()` are twins: read them side by side.
+
+`step()` runs one step to completion: schedule, execute, sample, update. With async
+scheduling the kernel uses `step_with_batch_queue()`, which keeps up to
+`max_concurrent_batches` steps in flight: it queues a step and returns at once while the
+queue has room, and blocks on the oldest step only when the queue is full or nothing else
+can be scheduled. Aborts are drained before every `update_from_output`. When the scheduler
+sets `pending_structured_output_tokens`, sampling of that step waits until the previous
+step's tokens are applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from concurrent.futures import Future
+
+import torch
+
+from tandem.core.config import EngineConfig
+from tandem.core.executor import Executor, make_executor
+from tandem.core.invariants import check_invariants
+from tandem.core.model_runner_output import ModelRunnerOutput
+from tandem.core.outputs import EngineCoreOutput
+from tandem.core.plugin_manager import TandemPluginManager
+from tandem.core.request import Request, RequestStatus
+from tandem.core.sampling_params import SamplingParams
+from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.scheduler_state import SchedulerState
+
+logger = logging.getLogger("tandem.engine")
+
+QueuedStep = tuple[Future, SchedulerOutput, Future]
+
+
+class EngineCore:
+    """Owns the loop, the batch queue, the aborts queue, the executor and the output path.
+
+    The scheduler plugin owns the queues, the requests and the KV cache manager; the kernel
+    only talks to it through hooks. `config` must be resolved (`resolve_config`).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        vocab_size: int | None = None,
+        source: str = "<config>",
+    ) -> None:
+        self.config = config
+        self.max_model_len = config.max_model_len
+        self.vocab_size = vocab_size if vocab_size is not None else config.model.vocab_size
+        self.plugin_manager = TandemPluginManager(config, side="engine", source=source)
+        self.hook = self.plugin_manager.hook
+        self.executor = executor if executor is not None else make_executor(config)
+        self.batch_queue_size = config.max_concurrent_batches
+        self.batch_queue: deque[QueuedStep] = deque()
+        self._aborts: deque[str] = deque()
+        self._aborts_lock = threading.Lock()
+        self._live: set[str] = set()
+        self.step_fn = self.step_with_batch_queue if self.batch_queue_size > 1 else self.step
+        self.num_steps = 0
+
+    # Requests -------------------------------------------------------------------------
+    def validate_request(self, request: Request) -> None:
+        """Reject what no step could run; the message names the field."""
+        if not isinstance(request.sampling_params, SamplingParams):
+            raise TypeError("sampling_params: expected a tandem.SamplingParams")
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError(f"request {request.request_id}: prompt: must not be empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id}: prompt: {n} tokens is too long; "
+                f"max_model_len is {self.max_model_len} and at least one position must be "
+                f"left for output"
+            )
+        if self.vocab_size is not None:
+            bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"request {request.request_id}: prompt_token_ids: token id {bad[0]} is "
+                    f"outside the vocabulary [0, {self.vocab_size})"
+                )
+        if request.request_id in self._live:
+            raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
+
+    def add_request(self, request: Request) -> None:
+        """Validate and hand the request to every plugin. A plugin that rejects it (raises
+        ValueError) gets it aborted everywhere; the error goes to this caller only."""
+        self.validate_request(request)
+        try:
+            self.hook.add_request(request=request)
+        except Exception:
+            self.hook.abort_requests(
+                request_ids=[request.request_id], status=RequestStatus.FINISHED_ERROR
+            )
+            raise
+        self._live.add(request.request_id)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Thread-safe: queue aborts; they take effect at the next drain point."""
+        with self._aborts_lock:
+            self._aborts.extend(request_ids)
+
+    def _process_aborts_queue(self) -> list[EngineCoreOutput]:
+        with self._aborts_lock:
+            ids = [rid for rid in self._aborts if rid in self._live]
+            self._aborts.clear()
+        if not ids:
+            return []
+        self.hook.abort_requests(request_ids=ids, status=RequestStatus.FINISHED_ABORTED)
+        self._live.difference_update(ids)
+        return [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="abort") for rid in ids]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.hook.has_unfinished_requests())
+
+    def has_work(self) -> bool:
+        """Requests to run, steps in flight or aborts to report."""
+        return self.has_unfinished_requests() or bool(self.batch_queue) or bool(self._aborts)
+
+    @property
+    def scheduler_state(self) -> SchedulerState:
+        return self.hook.scheduler_state()
+
+    # The loop: step() and step_with_batch_queue() are twins ----------------------------
+    def step(self) -> tuple[list[EngineCoreOutput], bool]:
+        """Schedule, execute, sample and update one step. Returns (outputs, model_executed)."""
+        outputs = self._process_aborts_queue()
+        if not self.has_unfinished_requests():
+            return outputs, False
+        scheduler_output = self.hook.schedule()
+        self.hook.update_after_schedule(scheduler_output=scheduler_output)
+        exec_future = self.executor.execute_model(scheduler_output)
+        grammar_bitmask = self.hook.grammar_bitmask(scheduler_output=scheduler_output)
+        future = self.executor.sample_tokens(grammar_bitmask)
+        model_executed = scheduler_output.total_num_scheduled_tokens > 0
+
+        exec_future.result()
+        model_output = future.result()
+        outputs += self._process_aborts_queue()
+        outputs += self._update_from_output(scheduler_output, model_output)
+        return outputs, model_executed
+
+    def step_with_batch_queue(self) -> tuple[list[EngineCoreOutput], bool]:
+        """Queue a step and return while there is room; otherwise finish the oldest step."""
+        outputs = self._process_aborts_queue()
+        batch_queue = self.batch_queue
+        deferred: tuple[SchedulerOutput, Future] | None = None
+        model_executed = False
+        if self.has_unfinished_requests():
+            scheduler_output = self.hook.schedule()
+            self.hook.update_after_schedule(scheduler_output=scheduler_output)
+            exec_future = self.executor.execute_model(scheduler_output)
+            model_executed = scheduler_output.total_num_scheduled_tokens > 0
+            if not scheduler_output.pending_structured_output_tokens:
+                grammar_bitmask = self.hook.grammar_bitmask(scheduler_output=scheduler_output)
+                future = self.executor.sample_tokens(grammar_bitmask)
+                batch_queue.appendleft((future, scheduler_output, exec_future))
+                if len(batch_queue) < self.batch_queue_size and (
+                    model_executed or self.has_unfinished_requests()
+                ):
+                    return outputs, model_executed  # don't block while there is room
+            else:
+                deferred = (scheduler_output, exec_future)  # sample after the prior step
+        if batch_queue:
+            future, scheduler_output, exec_future = batch_queue.pop()
+            exec_future.result()
+            model_output = future.result()
+            outputs += self._process_aborts_queue()
+            outputs += self._update_from_output(scheduler_output, model_output)
+        if deferred is not None:
+            scheduler_output, exec_future = deferred
+            grammar_bitmask = self.hook.grammar_bitmask(scheduler_output=scheduler_output)
+            future = self.executor.sample_tokens(grammar_bitmask)
+            batch_queue.appendleft((future, scheduler_output, exec_future))
+        return outputs, model_executed
+
+    def _update_from_output(
+        self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        results = self.hook.update_from_output(
+            scheduler_output=scheduler_output, model_runner_output=model_output
+        )
+        answers = [r for r in results if r is not None]
+        if len(answers) != 1:
+            raise RuntimeError(
+                f"update_from_output: exactly one plugin (the scheduler) must return outputs, "
+                f"{len(answers)} did"
+            )
+        outputs: list[EngineCoreOutput] = answers[0]
+        for out in outputs:
+            if out.finish_reason is not None:
+                self._live.discard(out.request_id)
+        self.num_steps += 1
+        if self.config.check_invariants:
+            idle = not self.has_unfinished_requests() and not self.batch_queue
+            check_invariants(self.scheduler_state, self.num_steps, idle)
+        return outputs
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> list[EngineCoreOutput]:
+        """Step until nothing is waiting, running or in flight; return every output."""
+        outputs: list[EngineCoreOutput] = []
+        for _ in range(max_steps):
+            if not self.has_work():
+                return outputs
+            step_outputs, _ = self.step_fn()
+            outputs.extend(step_outputs)
+        raise RuntimeError(f"engine did not become idle within {max_steps} steps")
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def set_engine_threads(num_threads: int = 1) -> None:
+    """The engine process plans steps; it needs one thread (two contend badly on 2 cores)."""
+    torch.set_num_threads(num_threads)

@@ -1,0 +1,162 @@
+"""The hook contract between the tandem kernel and its plugins.
+
+A plugin is a class. The plugin manager instantiates it as `cls(config, options)`, where
+`config` is the resolved `EngineConfig` and `options` an instance of the class attribute
+`Options` (a pydantic model; the default is an empty model that forbids extra keys), then
+registers the instance with pluggy. Hooks are methods marked with `tandem.core.hookimpl`.
+
+Order: the stack's order is call order. Broadcast hooks run every implementation in stack
+order; for `firstresult` hooks the first plugin in stack order that returns a value other
+than None answers and the rest are not called.
+
+Two sides: engine-side hooks run in the engine process (the kernel calls them); worker-side
+hooks (`sample`, `propose_drafts`) run wherever the model runs, on the worker's own plugin
+manager, rebuilt from the resolved stack: no live plugin object crosses a process boundary.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.core.model_runner_output import ModelRunnerOutput, SamplerOutput
+    from tandem.core.outputs import EngineCoreOutput
+    from tandem.core.plugin_manager import TandemPluginManager
+    from tandem.core.request import Request, RequestStatus
+    from tandem.core.scheduler_output import SchedulerOutput
+    from tandem.core.scheduler_state import SchedulerState
+    from tandem.core.worker.draft_context import DraftContext
+    from tandem.core.worker.sampling_metadata import SamplingMetadata
+
+PROJECT = "tandem"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class EngineHookSpecs:
+    """Hooks the kernel calls in the engine process."""
+
+    @hookspec
+    def tandem_stack_loaded(self, manager: TandemPluginManager) -> None:
+        """Registration hook: every plugin of the stack is registered and validated.
+
+        Caller: the plugin manager, once, after `check_pending()`. Broadcast. A plugin may
+        look up its peers (e.g. a grammar backend checks that the sampler applies bitmasks)
+        and raise `PluginConfigError` naming them. Returns nothing.
+        """
+
+    @hookspec
+    def add_request(self, request: Request) -> None:
+        """A validated request enters the engine.
+
+        Caller: the kernel, after it validated the request (prompt non-empty, shorter than
+        `max_model_len`, token ids inside the vocabulary). Broadcast. The scheduler enqueues
+        it in WAITING and registers it; a grammar backend may start compiling. A plugin may
+        raise `ValueError` to reject the request: the kernel then aborts it in every plugin
+        and reports the error to that request's caller only.
+        """
+
+    @hookspec
+    def abort_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Requests leave the engine before finishing (client abort or a per-request error).
+
+        Caller: the kernel, when it drains its aborts queue: at the start of a step and
+        before every `update_from_output`. Broadcast. The scheduler sets `status`, removes
+        the requests from its queues, frees their KV blocks *through the fence* and reports
+        them in the next `SchedulerOutput.finished_req_ids`; other plugins drop their
+        per-request state. Unknown or already finished ids are ignored.
+        """
+
+    @hookspec(firstresult=True)
+    def schedule(self) -> SchedulerOutput | None:
+        """Plan the next step.
+
+        Caller: the kernel, once per step. First result wins: exactly one plugin (the
+        scheduler) answers. It may mutate its queues, the KV cache manager and
+        `num_cached_tokens`/status of requests, but NOT `num_computed_tokens` (that is
+        `update_after_schedule`'s job, so every plugin there sees the pre-step ledger in the
+        output). Returns a `SchedulerOutput`, possibly with zero tokens scheduled.
+        """
+
+    @hookspec
+    def update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Advance ledgers for what was just scheduled, before the step executes.
+
+        Caller: the kernel, right after `schedule`, before `execute_model`. Broadcast in
+        stack order, so the scheduler runs before any layer stacked after it. The scheduler
+        adds `num_scheduled_tokens` to `num_computed_tokens` and `num_in_flight_tokens`,
+        sets `is_prefill_chunk`, and marks the KV fence; the async layer then adds
+        placeholders (it must run after `is_prefill_chunk` is known) and may set
+        `pending_structured_output_tokens`; a grammar backend may mark its requests.
+        """
+
+    @hookspec(firstresult=True)
+    def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
+        """The token bitmask for the constrained requests of a step, or None.
+
+        Caller: the kernel, before it asks the worker to sample that step; one step later
+        when `pending_structured_output_tokens` is set (then the previous step's tokens are
+        already applied). First result wins. Returns int32 `[num_rows, ceil(vocab/32)]`
+        with one row per sampled position of each request in
+        `scheduler_output.structured_output_request_ids` (spec positions included); a
+        backend fills draft rows by accepting drafts and must roll its matcher back after.
+        """
+
+    @hookspec
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput] | None:
+        """A step's results are in.
+
+        Caller: the kernel, in step order, after it drained the aborts queue. Broadcast in
+        stack order; exactly one plugin (the scheduler) returns the per-request outputs,
+        every other implementation returns None. The scheduler appends tokens, resolves
+        placeholders and rejected drafts, applies stop checks (trimming tokens after a
+        stop), finishes and frees requests, and advances the KV fence; it skips requests
+        that finished or were aborted while the step was in flight. Others (grammar,
+        drafter metrics) observe or advance their own state.
+        """
+
+    @hookspec(firstresult=True)
+    def has_unfinished_requests(self) -> bool | None:
+        """Whether any request is waiting or running. Caller: the kernel's loop control."""
+
+    @hookspec(firstresult=True)
+    def scheduler_state(self) -> SchedulerState | None:
+        """A read-only view of the scheduler's requests, queues and KV cache manager.
+
+        Caller: invariant checks, tests, tracing. First result wins. Callers must not
+        mutate what they get.
+        """
+
+
+class WorkerHookSpecs:
+    """Hooks the model runner calls in the worker."""
+
+    @hookspec(firstresult=True)
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput | None:
+        """Turn logits into token ids.
+
+        Caller: the model runner, after the forward pass (and, under deferred sampling,
+        one step later). First result wins. `logits` is float32 `[num_rows, vocab]`, one
+        row per sampled position (for a request verifying k drafts: k + 1 rows, drafts
+        first). The sampler applies `metadata.grammar_bitmask` to the constrained rows,
+        penalties, temperature, top-k/p, min-p, and draws seeded randomness from
+        (seed, output index). It must not keep references to `logits`.
+        """
+
+    @hookspec(firstresult=True)
+    def propose_drafts(self, context: DraftContext) -> list[list[int]] | None:
+        """Propose draft tokens for the next step.
+
+        Caller: the model runner, after sampling. First result wins. Returns one list per
+        request in `context.req_ids` (possibly empty), at most `context.num_spec_tokens`
+        long, or None when this plugin does not draft.
+        """
+
+
+HOOK_SPECS: tuple[type[Any], ...] = (EngineHookSpecs, WorkerHookSpecs)

@@ -1,0 +1,64 @@
+"""Ledger and KV invariants, checked after every step in tests and switchable on in any
+engine (`check_invariants: true`).
+
+Per request: `num_output_placeholders >= 0`, `num_computed_tokens - num_output_placeholders
+>= 0`, `num_stale_output_tokens >= 0`, `num_in_flight_tokens >= 0`, `num_computed_tokens <=
+num_tokens_with_spec + num_output_placeholders`, and every RUNNING request holds KV blocks
+for all computed tokens. KV: every block is exactly one of free, cached-and-free, held (ref
+count = holders) or waiting for a fence; when the engine is idle, every block is free.
+"""
+
+from __future__ import annotations
+
+from tandem.core.scheduler_state import SchedulerState
+
+
+class InvariantViolation(AssertionError):
+    """An invariant broke. The message names the invariant, the step, the request and its
+    ledger."""
+
+
+def ledger_violations(state: SchedulerState) -> list[str]:
+    problems = []
+    for request in state.requests.values():
+        checks = (
+            ("num_output_placeholders >= 0", request.num_output_placeholders >= 0),
+            (
+                "num_computed_tokens - num_output_placeholders >= 0",
+                request.num_computed_tokens - request.num_output_placeholders >= 0,
+            ),
+            ("num_stale_output_tokens >= 0", request.num_stale_output_tokens >= 0),
+            ("num_in_flight_tokens >= 0", request.num_in_flight_tokens >= 0),
+            (
+                "num_computed_tokens <= num_tokens_with_spec + num_output_placeholders",
+                request.num_computed_tokens
+                <= request.num_tokens_with_spec + request.num_output_placeholders,
+            ),
+        )
+        for name, ok in checks:
+            if not ok:
+                problems.append(f"{name} violated by {request.request_id}: {request.ledger()}")
+    kv = state.kv_cache_manager
+    for request in state.running:
+        held = len(kv.get_block_ids(request.request_id)) * kv.block_size
+        if held < request.num_computed_tokens:
+            problems.append(
+                f"RUNNING request holds KV for all computed tokens violated by "
+                f"{request.request_id}: {held} slots < {request.num_computed_tokens}: "
+                f"{request.ledger()}"
+            )
+    return problems
+
+
+def check_invariants(state: SchedulerState, step: int, idle: bool) -> None:
+    """Raise `InvariantViolation` for the first broken invariants after `step`."""
+    problems = ledger_violations(state)
+    problems += [f"KV: {p}" for p in state.kv_cache_manager.check_invariants()]
+    if idle and not state.kv_cache_manager.all_blocks_free():
+        kv = state.kv_cache_manager
+        problems.append(
+            f"KV: every block is free when idle violated: {kv.num_free_blocks} of "
+            f"{kv.num_blocks} free, {kv.num_fenced_blocks} waiting for a fence"
+        )
+    if problems:
+        raise InvariantViolation(f"after step {step}:\n" + "\n".join(problems))

@@ -1,0 +1,90 @@
+"""Turning per-step `EngineCoreOutput`s into the client's `RequestOutput`s."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tandem.core.outputs import CompletionOutput, EngineCoreOutput, RequestMetrics, RequestOutput
+
+
+@dataclass(slots=True)
+class _RequestRecord:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class OutputProcessor:
+    """Accumulates each request's tokens in order and stamps its metrics.
+
+    Invariant: tokens are appended exactly once, in the order the engine produced them;
+    a finished request accepts nothing more.
+    """
+
+    def __init__(self) -> None:
+        self.records: dict[str, _RequestRecord] = {}
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], arrival_time: float
+    ) -> None:
+        self.records[request_id] = _RequestRecord(
+            request_id, prompt, list(prompt_token_ids), RequestMetrics(arrival_time)
+        )
+
+    def process(self, outputs: list[EngineCoreOutput]) -> list[str]:
+        """Apply one step's outputs; return the ids that finished in it."""
+        now = time.monotonic()
+        finished = []
+        for out in outputs:
+            record = self.records.get(out.request_id)
+            if record is None or record.finish_reason is not None:
+                continue
+            if out.new_token_ids and record.metrics.first_token_time is None:
+                record.metrics.first_token_time = now
+            record.token_ids.extend(out.new_token_ids)
+            record.num_cached_tokens = out.num_cached_tokens
+            if out.finish_reason is not None:
+                record.finish_reason = out.finish_reason
+                record.stop_reason = out.stop_reason
+                record.metrics.finished_time = now
+                finished.append(out.request_id)
+        return finished
+
+    def fail(self, request_id: str, error: str) -> None:
+        record = self.records.get(request_id)
+        if record is not None and record.finish_reason is None:
+            record.finish_reason = "error"
+            record.error = error
+            record.metrics.finished_time = time.monotonic()
+
+    def request_output(self, request_id: str, text: str = "") -> RequestOutput:
+        record = self.records[request_id]
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(record.token_ids),
+            finish_reason=record.finish_reason,
+            stop_reason=record.stop_reason,
+        )
+        return RequestOutput(
+            request_id=record.request_id,
+            prompt=record.prompt,
+            prompt_token_ids=record.prompt_token_ids,
+            outputs=[completion],
+            finished=record.finish_reason is not None,
+            metrics=record.metrics,
+            num_cached_tokens=record.num_cached_tokens,
+            error=record.error,
+        )
+
+    def pop(self, request_id: str) -> RequestOutput:
+        output = self.request_output(request_id)
+        del self.records[request_id]
+        return output

@@ -1,0 +1,219 @@
+"""Loading a plugin stack: discovery by entry point, option validation, registration order.
+
+Bundled plugins are found exactly like third-party ones: through the entry-point group
+`tandem.plugins` (tandem's own distribution declares its bundled plugins there). A plugin
+is inactive until a stack names it. Stack order is call order, so plugins are registered in
+reverse (pluggy calls the most recently registered implementation first).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, ClassVar
+
+import pluggy
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from tandem.core.config import ConfigError, EngineConfig, PluginSpec
+from tandem.core.hookspecs import PROJECT, EngineHookSpecs, WorkerHookSpecs
+from tandem.core.sampling_params import format_validation_error
+
+logger = logging.getLogger("tandem.plugins")
+
+ENTRY_POINT_GROUP = "tandem.plugins"
+ENGINE_HOOKS = frozenset(n for n in vars(EngineHookSpecs) if not n.startswith("_"))
+WORKER_HOOKS = frozenset(n for n in vars(WorkerHookSpecs) if not n.startswith("_"))
+ALL_HOOKS = ENGINE_HOOKS | WORKER_HOOKS
+
+
+class PluginConfigError(ConfigError):
+    """A stack that cannot run: unknown plugin, bad options, conflicting plugins."""
+
+
+class NoOptions(BaseModel):
+    """The options model of a plugin that takes none: any key is an error."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class TandemPlugin:
+    """Convenience base class for plugins (not required: any class with the same
+    constructor and class attributes works).
+
+    `role` lets the stack resolver find conflicts (two schedulers) and place the async
+    layer right after the scheduler. `Options` is the plugin's pydantic options model.
+    """
+
+    role: ClassVar[str | None] = None
+    Options: ClassVar[type[BaseModel]] = NoOptions
+
+    def __init__(self, config: EngineConfig, options: BaseModel) -> None:
+        self.config = config
+        self.options = options
+
+
+@dataclass(frozen=True, slots=True)
+class PluginInfo:
+    """What discovery knows about one installed plugin, without instantiating it."""
+
+    name: str
+    value: str
+    distribution: str
+    version: str
+
+
+def discover_plugins() -> dict[str, PluginInfo]:
+    """Every plugin installed under the entry-point group, by name (not imported)."""
+    found: dict[str, PluginInfo] = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(ep, "dist", None)
+        found[ep.name] = PluginInfo(
+            name=ep.name,
+            value=ep.value,
+            distribution=dist.metadata["Name"] if dist is not None else "?",
+            version=dist.version if dist is not None else "?",
+        )
+    return found
+
+
+def load_plugin_class(name: str, where: str = "plugins") -> type:
+    """Import the plugin class behind entry point `name`; errors name the plugin and cause."""
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP, name=name):
+        try:
+            return ep.load()
+        except Exception as exc:  # an import error in a plugin is reported, never swallowed
+            raise PluginConfigError(
+                f"{where}: plugin {name!r} ({ep.value}) failed to import: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+    available = ", ".join(sorted(discover_plugins())) or "none"
+    raise PluginConfigError(
+        f"{where}: unknown plugin {name!r}; installed plugins: {available} "
+        f"(entry-point group {ENTRY_POINT_GROUP!r})"
+    )
+
+
+def implemented_hooks(cls: type) -> set[str]:
+    """Names of hooks a plugin class implements (methods marked with `hookimpl`)."""
+    hooks = set()
+    for attr, value in inspect.getmembers(cls):
+        if callable(value) and hasattr(value, PROJECT + "_impl"):
+            hooks.add(attr)
+    return hooks
+
+
+def plugin_sides(cls: type) -> set[str]:
+    hooks = implemented_hooks(cls)
+    sides = set()
+    if hooks & ENGINE_HOOKS:
+        sides.add("engine")
+    if hooks & WORKER_HOOKS:
+        sides.add("worker")
+    return sides
+
+
+def default_stack(config: EngineConfig) -> list[PluginSpec]:
+    """The stack used when the config names none: the reference scheduler and sampler."""
+    return [PluginSpec(name="reference-scheduler"), PluginSpec(name="default-sampler")]
+
+
+def resolve_stack(config: EngineConfig, source: str = "<config>") -> list[tuple[PluginSpec, type]]:
+    """Resolve names to classes, add implied plugins, reject conflicts.
+
+    The async layer (`async-scheduler`) is inserted right after the scheduler when
+    `scheduler.async_scheduling` is true and the stack does not name an async layer.
+    """
+    specs = list(config.plugins) if config.plugins is not None else default_stack(config)
+    resolved = [
+        (spec, load_plugin_class(spec.name, f"{source}: plugins[{i}].name"))
+        for i, spec in enumerate(specs)
+    ]
+    roles: dict[str, list[str]] = {}
+    for spec, cls in resolved:
+        role = getattr(cls, "role", None)
+        if role:
+            roles.setdefault(role, []).append(spec.name)
+    for role in ("scheduler", "async-layer", "sampler"):
+        if len(roles.get(role, [])) > 1:
+            raise PluginConfigError(
+                f"{source}: plugins: {len(roles[role])} plugins claim the {role} role "
+                f"({', '.join(roles[role])}); a stack has exactly one {role}"
+            )
+    if "scheduler" not in roles:
+        raise PluginConfigError(f"{source}: plugins: the stack has no scheduler plugin")
+    if config.scheduler.async_scheduling and "async-layer" not in roles:
+        index = next(i for i, (_, c) in enumerate(resolved) if getattr(c, "role", None) == "scheduler")
+        spec = PluginSpec(name="async-scheduler")
+        resolved.insert(index + 1, (spec, load_plugin_class(spec.name, f"{source}: plugins")))
+    if not config.scheduler.async_scheduling and "async-layer" in roles:
+        raise PluginConfigError(
+            f"{source}: plugins: {roles['async-layer'][0]} needs scheduler.async_scheduling: true"
+        )
+    return resolved
+
+
+def validate_options(spec: PluginSpec, cls: type, where: str) -> BaseModel:
+    options_model: type[BaseModel] = getattr(cls, "Options", NoOptions)
+    try:
+        return options_model.model_validate(spec.options)
+    except ValidationError as exc:
+        raise PluginConfigError(format_validation_error(exc, f"{where}.options")) from exc
+
+
+class TandemPluginManager(pluggy.PluginManager):
+    """A pluggy manager holding one side (engine or worker) of a resolved stack."""
+
+    def __init__(self, config: EngineConfig, side: str = "engine", source: str = "<config>") -> None:
+        super().__init__(PROJECT)
+        self.config = config
+        self.side = side
+        self.add_hookspecs(EngineHookSpecs)
+        self.add_hookspecs(WorkerHookSpecs)
+        self.stack: list[tuple[str, Any]] = []
+        resolved = resolve_stack(config, source)
+        instances: list[tuple[str, Any]] = []
+        for i, (spec, cls) in enumerate(resolved):
+            options = validate_options(spec, cls, f"{source}: plugins[{i}]")
+            self._check_hook_names(spec.name, cls)
+            if side not in plugin_sides(cls):
+                continue
+            try:
+                instance = cls(config, options)
+            except PluginConfigError:
+                raise
+            except Exception as exc:
+                raise PluginConfigError(
+                    f"{source}: plugins[{i}]: plugin {spec.name!r} failed to start: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            instances.append((spec.name, instance))
+        for name, instance in reversed(instances):
+            try:
+                self.register(instance, name=name)
+            except pluggy.PluginValidationError as exc:
+                raise PluginConfigError(f"{source}: plugin {name!r}: {exc}") from exc
+        try:
+            self.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise PluginConfigError(f"{source}: {exc}") from exc
+        self.stack = instances
+        self.hook.tandem_stack_loaded(manager=self)
+
+    @staticmethod
+    def _check_hook_names(name: str, cls: type) -> None:
+        unknown = implemented_hooks(cls) - ALL_HOOKS
+        if unknown:
+            raise PluginConfigError(
+                f"plugin {name!r} implements unknown hook(s) {sorted(unknown)}; "
+                f"known hooks: {sorted(ALL_HOOKS)}"
+            )
+
+    def plugins_with_role(self, role: str) -> list[Any]:
+        return [p for _, p in self.stack if getattr(p, "role", None) == role]
+
+    def plugin_names(self) -> Iterable[str]:
+        return [name for name, _ in self.stack]

@@ -1,0 +1,78 @@
+"""Turning a user's config into a complete one: model limits, KV pool size, async mode.
+
+`async_scheduling`: None resolves to on unless an option is incompatible (then off, with a
+log line naming it); True with an incompatible option is an error naming it. Incompatible:
+an executor without async support, pipeline parallelism, a draft method that does not
+produce aligned drafts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from tandem.core.config import ConfigError, EngineConfig
+
+logger = logging.getLogger("tandem.config")
+
+SCRIPTED_DEFAULT_VOCAB = 128
+SCRIPTED_DEFAULT_EOS = 1
+SCRIPTED_DEFAULT_MAX_MODEL_LEN = 1024
+#: Draft methods whose drafts line up with the sampled tokens (the worker can keep them).
+ALIGNED_DRAFT_METHODS = frozenset({"ngram", "eagle", "draft_model", "scripted"})
+
+
+def async_incompatibility(config: EngineConfig, executor_supports_async: bool) -> str | None:
+    """The first option that rules async scheduling out, in words, or None."""
+    if not executor_supports_async:
+        return f"executor {config.parallel.executor!r} without async scheduling support"
+    if config.parallel.pipeline_parallel_size > 1:
+        return "pipeline parallelism"
+    spec = config.speculative
+    if spec is not None and spec.method not in ALIGNED_DRAFT_METHODS:
+        return f"{spec.method}-based speculative decoding (drafts not aligned)"
+    return None
+
+
+def resolve_async_scheduling(config: EngineConfig, executor_supports_async: bool) -> bool:
+    incompatible = async_incompatibility(config, executor_supports_async)
+    requested = config.scheduler.async_scheduling
+    if requested and incompatible:
+        raise ConfigError(
+            f"scheduler.async_scheduling: true is not supported with {incompatible}"
+        )
+    if requested is None:
+        if incompatible:
+            logger.info("async scheduling disabled: %s", incompatible)
+            return False
+        return True
+    return requested
+
+
+def resolve_config(config: EngineConfig, executor_supports_async: bool = True) -> EngineConfig:
+    """Return a copy with every `None` that has a computable value filled in."""
+    config = config.model_copy(deep=True)
+    model = config.model
+    if model.model == "scripted":
+        if model.vocab_size is None:
+            model.vocab_size = SCRIPTED_DEFAULT_VOCAB
+        if model.eos_token_id is None:
+            model.eos_token_id = SCRIPTED_DEFAULT_EOS
+        if model.max_model_len is None:
+            model.max_model_len = SCRIPTED_DEFAULT_MAX_MODEL_LEN
+    if model.max_model_len is None:
+        raise ConfigError("model.max_model_len: could not be determined; set it explicitly")
+    if config.cache.num_kv_blocks is None:
+        per_seq = math.ceil(model.max_model_len / config.cache.block_size)
+        config.cache.num_kv_blocks = config.scheduler.max_num_seqs * per_seq
+    capacity = config.cache.num_kv_blocks * config.cache.block_size
+    if capacity < model.max_model_len:
+        raise ConfigError(
+            f"cache.num_kv_blocks: {config.cache.num_kv_blocks} blocks of "
+            f"{config.cache.block_size} tokens hold {capacity} tokens, fewer than "
+            f"max_model_len ({model.max_model_len}); one request could never finish"
+        )
+    if config.speculative and config.speculative.prompt_lookup_min > config.speculative.prompt_lookup_max:
+        raise ConfigError("speculative.prompt_lookup_min must be <= speculative.prompt_lookup_max")
+    config.scheduler.async_scheduling = resolve_async_scheduling(config, executor_supports_async)
+    return config

@@ -1,0 +1,35 @@
+"""Token-level stop conditions, checked after every appended output token.
+
+Stop *strings* need detokenised text and are handled by the output processor; everything
+that can be decided from token ids alone is here so that every scheduler plugin applies the
+same rules.
+"""
+
+from __future__ import annotations
+
+from tandem.core.request import Request, RequestStatus
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Decide whether `request` is finished after its last appended token.
+
+    Order (as vLLM's `check_stop`): the length cap (`max_model_len` positions or
+    `max_tokens` outputs) wins over everything; before `min_tokens` outputs nothing else
+    stops the request; then EOS (unless `ignore_eos`), then `stop_token_ids`. Sets
+    `status` and, for a stop token, `stop_reason`; returns True when finished.
+    """
+    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    params = request.sampling_params
+    if request.num_output_tokens < params.min_tokens:
+        return False
+    last = request.all_token_ids[-1]
+    if not params.ignore_eos and last == request.eos_token_id:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if last in params.stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = last
+        return True
+    return False

@@ -1,0 +1,191 @@
+"""The model runner: worker-side request state, one flattened forward, sampling, drafting.
+
+It mirrors the scheduler's incremental `SchedulerOutput`: a request's tokens and sampling
+parameters arrive once (`scheduled_new_reqs`), then only deltas. After sampling it appends
+the accepted tokens to its own copy of each request's history, so the next step's inputs
+can be built without the scheduler resending them. A `StepModel` does the math: the
+scripted test model or a real transformer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from tandem.core.model_runner_output import ModelRunnerOutput
+from tandem.core.sampling_params import SamplingParams
+from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.worker.draft_context import DraftContext
+from tandem.core.worker.flat_batch import FlatBatch, build_flat_batch
+from tandem.core.worker.sampling_metadata import SamplingMetadata
+
+
+class StepModel(Protocol):
+    """Computes logits for one flattened step, reading and writing its paged KV cache."""
+
+    vocab_size: int
+    device: torch.device
+
+    def forward(self, batch: FlatBatch) -> torch.Tensor:
+        """Write the batch's KV at `slot_mapping`, return float32 logits `[len(logits_indices), vocab]`."""
+        ...
+
+
+class HookCaller(Protocol):
+    """The worker-side plugin manager's hook relay (`pm.hook`)."""
+
+    def sample(self, *, logits: torch.Tensor, metadata: SamplingMetadata): ...  # noqa: ANN201
+
+    def propose_drafts(self, *, context: DraftContext): ...  # noqa: ANN201
+
+
+@dataclass(slots=True)
+class RunnerRequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    drafts: list[int] = field(default_factory=list)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class ModelRunner:
+    """Owns the worker's view of the requests and runs one step at a time.
+
+    Contract: `execute_model(s)` then `sample_tokens(bitmask)` for the same step, in step
+    order. Sampling may be deferred (called after the next step's `execute_model`), so the
+    pending logits of each executed step are kept in a FIFO.
+    """
+
+    def __init__(self, model: StepModel, hooks: HookCaller, block_size: int, num_spec_tokens: int) -> None:
+        self.model = model
+        self.hooks = hooks
+        self.block_size = block_size
+        self.num_spec_tokens = num_spec_tokens
+        self.requests: dict[str, RunnerRequestState] = {}
+        self._pending: list[tuple[SchedulerOutput, FlatBatch, torch.Tensor]] = []
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = RunnerRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def execute_model(self, so: SchedulerOutput) -> None:
+        self._update_states(so)
+        req_ids = list(so.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        batch = build_flat_batch(
+            req_ids=req_ids,
+            token_ids=[s.token_ids for s in states],
+            num_computed=[s.num_computed_tokens for s in states],
+            num_scheduled=[so.num_scheduled_tokens[r] for r in req_ids],
+            drafts=[so.scheduled_spec_decode_tokens.get(r, []) for r in req_ids],
+            block_ids=[s.block_ids for s in states],
+            block_size=self.block_size,
+            device=self.model.device,
+        )
+        logits = self.model.forward(batch) if batch.num_tokens else torch.zeros(0, 1)
+        self._pending.append((so, batch, logits))
+
+    def _sampling_metadata(
+        self, batch: FlatBatch, grammar_bitmask: torch.Tensor | None
+    ) -> SamplingMetadata:
+        temperature, top_k, top_p, min_p, seeds, positions, histories = [], [], [], [], [], [], []
+        presence, frequency, repetition = [], [], []
+        need_history = False
+        for r, k in zip(batch.sample_req_indices, batch.num_draft_tokens, strict=True):
+            state = self.requests[batch.req_ids[r]]
+            params = state.sampling_params
+            need_history |= params.presence_penalty != 0 or params.frequency_penalty != 0
+            need_history |= params.repetition_penalty != 1.0 or bool(params.bad_words)
+            for j in range(k + 1):
+                temperature.append(params.temperature)
+                top_k.append(params.top_k)
+                top_p.append(params.top_p)
+                min_p.append(params.min_p)
+                seeds.append(params.seed if params.seed is not None else -1)
+                positions.append(state.num_output_tokens + j)
+                histories.append(state.token_ids[state.num_prompt_tokens :])
+                presence.append(params.presence_penalty)
+                frequency.append(params.frequency_penalty)
+                repetition.append(params.repetition_penalty)
+        device = self.model.device
+        return SamplingMetadata(
+            all_greedy=all(t == 0.0 for t in temperature),
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
+            output_positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            num_draft_tokens=batch.num_draft_tokens,
+            draft_token_ids=torch.tensor(batch.draft_token_ids, dtype=torch.int64, device=device),
+            output_token_ids=histories if need_history else None,
+            penalties=(
+                torch.tensor(presence, dtype=torch.float32),
+                torch.tensor(frequency, dtype=torch.float32),
+                torch.tensor(repetition, dtype=torch.float32),
+            )
+            if need_history
+            else None,
+            grammar_bitmask=grammar_bitmask,
+        )
+
+    def sample_tokens(self, grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
+        so, batch, logits = self._pending.pop(0)
+        sampled_rows: list[list[int]] = [[] for _ in batch.req_ids]
+        if batch.sample_req_indices:
+            metadata = self._sampling_metadata(batch, grammar_bitmask)
+            result = self.hooks.sample(logits=logits, metadata=metadata)
+            if result is None:
+                raise RuntimeError("no plugin answered the `sample` hook: the stack needs a sampler")
+            rows = result.sampled_token_ids.tolist()
+            for r, row in zip(batch.sample_req_indices, rows, strict=True):
+                tokens = [t for t in row if t >= 0]
+                sampled_rows[r] = tokens
+                self.requests[batch.req_ids[r]].token_ids.extend(tokens)
+        drafts = self._propose_drafts(batch, sampled_rows)
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
+            sampled_token_ids=sampled_rows,
+            draft_token_ids=drafts,
+        )
+
+    def _propose_drafts(
+        self, batch: FlatBatch, sampled_rows: list[list[int]]
+    ) -> dict[str, list[int]] | None:
+        if self.num_spec_tokens == 0:
+            return None
+        req_ids = [batch.req_ids[r] for r in batch.sample_req_indices]
+        context = DraftContext(
+            req_ids=req_ids,
+            token_ids=[self.requests[r].token_ids for r in req_ids],
+            sampled_token_ids=[sampled_rows[r] for r in batch.sample_req_indices],
+            num_spec_tokens=self.num_spec_tokens,
+        )
+        proposed = self.hooks.propose_drafts(context=context)
+        if proposed is None:
+            return {}
+        return {r: list(d[: self.num_spec_tokens]) for r, d in zip(req_ids, proposed, strict=True)}

@@ -1,0 +1,37 @@
+"""Per-row sampling parameters as tensors, so the sampler is vectorised over the batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Everything the `sample` hook needs besides the logits.
+
+    All tensors have one entry per logits row. `seeds[i] == -1` means unseeded;
+    `output_positions[i]` is the index of the output token that row samples (with a seed,
+    randomness comes from (seed, output position), so it does not depend on the batch).
+    `top_k[i] <= 0` disables top-k. `output_token_ids[i]` is the row's output history, needed
+    only by penalties and bad words (None when no row needs it). `num_draft_tokens[r]` is the
+    number of drafts request r verifies; its `1 + num_draft_tokens[r]` rows are consecutive,
+    drafts first, and `draft_token_ids` holds them flattened (empty without drafts).
+    `request_row_ranges` maps request index to its slice of rows.
+    """
+
+    all_greedy: bool
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeds: torch.Tensor
+    output_positions: torch.Tensor
+    num_draft_tokens: list[int]
+    draft_token_ids: torch.Tensor
+    output_token_ids: list[list[int]] | None = None
+    #: (presence, frequency, repetition) per row; set together with output_token_ids.
+    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    grammar_bitmask: torch.Tensor | None = None
+    max_num_logprobs: int | None = None

@@ -1,0 +1,35 @@
+"""A worker: its own plugin manager (rebuilt from the resolved stack), a model, a runner."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.core.config import EngineConfig
+from tandem.core.model_runner_output import ModelRunnerOutput
+from tandem.core.plugin_manager import TandemPluginManager
+from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.worker.model_loader import load_step_model
+from tandem.core.worker.model_runner import ModelRunner, StepModel
+
+
+class Worker:
+    """Runs steps for the engine. Built from the config alone, so it can live in another
+    thread or process: no live plugin object is shared with the engine."""
+
+    def __init__(self, config: EngineConfig, model: StepModel | None = None) -> None:
+        torch.set_num_threads(config.parallel.worker_num_threads)
+        self.config = config
+        self.plugin_manager = TandemPluginManager(config, side="worker")
+        self.model = model if model is not None else load_step_model(config)
+        self.model_runner = ModelRunner(
+            model=self.model,
+            hooks=self.plugin_manager.hook,
+            block_size=config.cache.block_size,
+            num_spec_tokens=config.num_spec_tokens,
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_bitmask: torch.Tensor | None) -> ModelRunnerOutput:
+        return self.model_runner.sample_tokens(grammar_bitmask)

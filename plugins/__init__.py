@@ -1,0 +1,1 @@
+"""Bundled policy plugins: schedulers and samplers, loaded by name like any third-party plugin."""

@@ -1,0 +1,397 @@
+"""The reference scheduler: vLLM V1's scheduling rules as a tandem plugin.
+
+Each step: RUNNING first, then WAITING (only in a step that preempted nothing). A request's
+work is `num_tokens_with_spec + num_output_placeholders - num_computed_tokens`, clamped by
+the token budget, `long_prefill_token_threshold` and `max_model_len`; chunked prefill is
+just that clamp. A failed KV allocation preempts by recompute (FCFS: the most recently
+admitted; priority: the largest (priority, arrival)), possibly the request itself; the
+victim frees its blocks through the fence, resets its ledger and goes back to the front of
+WAITING. The placeholder rules of async scheduling live here too and are inert while
+placeholders are 0; the async layer only adds placeholders.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from tandem.core import hookimpl
+from tandem.core.config import EngineConfig
+from tandem.core.model_runner_output import ModelRunnerOutput
+from tandem.core.outputs import EngineCoreOutput
+from tandem.core.plugin_manager import TandemPlugin
+from tandem.core.request import Request, RequestStatus
+from tandem.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tandem.core.scheduler_state import SchedulerState
+from tandem.core.stop import check_stop
+from tandem.kv import KVCacheManager
+from tandem.plugins.request_queue import make_queue
+from tandem.plugins.spec_metrics import SpecDecodeMetrics
+
+
+class ReferenceScheduler(TandemPlugin):
+    """Owns the WAITING and RUNNING queues, the request registry and the KV cache manager."""
+
+    role = "scheduler"
+    #: Tokens every decode step samples: 1 for autoregressive models, 0 for diffusion.
+    num_sampled_tokens_per_step = 1
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+    def __init__(self, config: EngineConfig, options: BaseModel) -> None:
+        super().__init__(config, options)
+        sched = config.scheduler
+        self.max_num_batched_tokens = sched.max_num_batched_tokens
+        self.max_num_running_reqs = sched.max_num_seqs
+        self.long_prefill_token_threshold = sched.long_prefill_token_threshold
+        self.policy = sched.scheduling_policy
+        self.max_model_len = config.max_model_len
+        if config.cache.num_kv_blocks is None:
+            raise ValueError("cache.num_kv_blocks must be resolved before the scheduler starts")
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=config.cache.num_kv_blocks,
+            block_size=config.cache.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(self.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.step_id = 0
+        self.num_steps_in_flight = 0
+        self.num_preemptions = 0
+        self.spec_metrics = SpecDecodeMetrics(config.num_spec_tokens)
+
+    # Requests in and out --------------------------------------------------------------
+    @hookimpl
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    @hookimpl
+    def abort_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            was_running = request.status == RequestStatus.RUNNING
+            request.status = status
+            aborted.append(request)
+            if not was_running:
+                self.waiting.remove([request])
+            self._release(request)
+        if aborted:
+            self.running = [r for r in self.running if not r.is_finished]
+
+    @hookimpl
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    @hookimpl
+    def scheduler_state(self) -> SchedulerState:
+        return SchedulerState(
+            requests=self.requests,
+            waiting=list(self.waiting),
+            running=list(self.running),
+            kv_cache_manager=self.kv_cache_manager,
+            num_steps_in_flight=self.num_steps_in_flight,
+        )
+
+    # Scheduling -----------------------------------------------------------------------
+    def _num_new_tokens(self, request: Request, token_budget: int, num_computed: int) -> int:
+        """The request's outstanding work, clamped by threshold, budget and max_model_len."""
+        num_new = (
+            request.num_tokens_with_spec + request.num_output_placeholders - num_computed
+        )
+        if 0 < self.long_prefill_token_threshold < num_new:
+            num_new = self.long_prefill_token_threshold
+        num_new = min(num_new, token_budget)
+        # The input position must not exceed the max model len.
+        return min(num_new, self.max_model_len - num_computed - self.num_sampled_tokens_per_step)
+
+    def _samples_last_output_token(self, request: Request) -> bool:
+        """Whether the step being planned surely produces the request's last output token.
+
+        Drafts may all be rejected, so count only outputs the request is sure to have after
+        this step: the confirmed ones, one sampled by this step and, under async scheduling,
+        one more from the step still in flight. Then nothing would verify drafts.
+        """
+        min_num_output_tokens = request.num_output_tokens + 1
+        if request.num_output_placeholders > 0:
+            min_num_output_tokens += 1
+        return min_num_output_tokens >= request.max_tokens
+
+    def _fits_after_fences(self, request: Request, num_new_tokens: int) -> bool:
+        """Under async scheduling: would the allocation succeed once every pending fence
+        is passed? (Always False when no step is in flight: then nothing is fenced.)"""
+        kv = self.kv_cache_manager
+        if kv.num_fenced_blocks == 0:
+            return False
+        needed = -(-(request.num_computed_tokens + num_new_tokens) // kv.block_size)
+        needed -= len(kv.get_block_ids(request.request_id))
+        return needed <= kv.num_free_blocks + kv.num_fenced_blocks
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: free blocks (fenced), reset the ledger, requeue first.
+
+        Results of steps still in flight for this request become stale: they are counted
+        in `num_stale_output_tokens` and dropped when they arrive.
+        """
+        self.kv_cache_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_stale_output_tokens += request.num_in_flight_tokens
+        request.num_in_flight_tokens = 0
+        request.num_output_placeholders = 0
+        request.is_prefill_chunk = False
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    @hookimpl
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        spec_decode_tokens: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        preempted: list[Request] = []
+
+        # First, schedule the RUNNING requests.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            if (
+                request.num_output_placeholders > 0
+                # (num_computed_tokens + 1) - (num_output_placeholders - 1): the outputs this
+                # request is sure to reach even if every draft in flight is rejected.
+                and request.num_computed_tokens + 2 - request.num_output_placeholders
+                >= request.num_prompt_tokens + request.max_tokens
+            ):
+                # Async: the step in flight already reaches max_tokens; no extra step.
+                req_index += 1
+                continue
+            if request.spec_token_ids and self._samples_last_output_token(request):
+                request.spec_token_ids = []
+            num_new_tokens = self._num_new_tokens(
+                request, token_budget, request.num_computed_tokens
+            )
+            if num_new_tokens <= 0:
+                # Cannot be fitted this step: skip it, not the requests behind it.
+                req_index += 1
+                continue
+
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            while blocks is None:
+                if self._fits_after_fences(request, num_new_tokens):
+                    # Blocks freed while a step is in flight return only at its fence:
+                    # preempting more cannot help this step. Wait for the fence.
+                    break
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                self.running.pop(victim_index)
+                if victim_index < req_index:
+                    req_index -= 1
+                if victim.request_id in num_scheduled_tokens:
+                    scheduled_running.remove(victim)
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    new_block_ids.pop(victim.request_id)
+                    spec_decode_tokens.pop(victim.request_id, None)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if blocks is None:
+                if request.status != RequestStatus.RUNNING:
+                    break  # the request preempted itself: nothing else can fit either
+                req_index += 1
+                continue
+
+            scheduled_running.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            new_block_ids[request.request_id] = [b.block_id for b in blocks]
+            token_budget -= num_new_tokens
+            req_index += 1
+            if request.spec_token_ids:
+                num_spec = (
+                    num_new_tokens
+                    + request.num_computed_tokens
+                    - request.num_tokens
+                    - request.num_output_placeholders
+                )
+                if num_spec > 0:
+                    spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+
+        # Next, schedule the WAITING requests, unless this step preempted.
+        if not preempted:
+            while self.waiting and token_budget > 0:
+                if len(self.running) >= self.max_num_running_reqs:
+                    break
+                request = self.waiting.peek()
+                hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+                num_new_tokens = self._num_new_tokens(request, token_budget, num_hit_tokens)
+                if num_new_tokens <= 0:
+                    break
+                blocks = self.kv_cache_manager.allocate_slots(
+                    request,
+                    num_new_tokens,
+                    num_new_computed_tokens=num_hit_tokens,
+                    new_computed_blocks=hit_blocks,
+                )
+                if blocks is None:
+                    break  # out of KV: admission stops here
+                self.waiting.pop()
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_hit_tokens
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
+                scheduled_new.append(request)
+                num_scheduled_tokens[request.request_id] = num_new_tokens
+                token_budget -= num_new_tokens
+
+        self.step_id += 1
+        output = SchedulerOutput(
+            step_id=self.step_id,
+            scheduled_new_reqs=[
+                NewRequestData(
+                    req_id=r.request_id,
+                    token_ids=list(r.all_token_ids),
+                    num_prompt_tokens=r.num_prompt_tokens,
+                    sampling_params=r.sampling_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                    num_computed_tokens=r.num_computed_tokens,
+                    eos_token_id=r.eos_token_id,
+                )
+                for r in scheduled_new
+            ],
+            scheduled_cached_reqs=[
+                CachedRequestData(
+                    req_id=r.request_id,
+                    new_block_ids=new_block_ids[r.request_id],
+                    num_computed_tokens=r.num_computed_tokens,
+                )
+                for r in scheduled_running
+            ],
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            scheduled_spec_decode_tokens=spec_decode_tokens,
+            num_spec_tokens_to_schedule=self.config.num_spec_tokens,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+            structured_output_request_ids=[
+                rid for rid in num_scheduled_tokens if self.requests[rid].use_structured_output
+            ],
+        )
+        self.finished_req_ids = set()
+        return output
+
+    @hookimpl
+    def update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_tokens
+            request.num_in_flight_tokens += num_tokens
+            request.is_prefill_chunk = request.num_computed_tokens < (
+                request.num_tokens + request.num_output_placeholders
+            )
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            self.kv_cache_manager.mark_step_scheduled()
+            self.num_steps_in_flight += 1
+
+    # Results ----------------------------------------------------------------------------
+    def _append_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+        """Append tokens one at a time with a stop check after each; trim after a stop.
+
+        Every returned token resolves one placeholder, including those trimmed at a stop:
+        their slots were reserved and computed either way.
+        """
+        num_returned = len(new_token_ids)
+        stopped = False
+        for num_kept, token_id in enumerate(new_token_ids, 1):
+            request.append_output_token_ids(token_id)
+            if check_stop(request, self.max_model_len):
+                stopped = True
+                # num_computed_tokens covers every kept token but the last one.
+                request.num_computed_tokens -= num_returned - num_kept
+                del new_token_ids[num_kept:]
+                break
+        if request.num_output_placeholders > 0:
+            request.num_output_placeholders -= num_returned
+            assert request.num_output_placeholders >= 0, request.ledger()
+        return new_token_ids, stopped
+
+    def _release(self, request: Request) -> None:
+        """Forget a finished request: free its KV (fenced) and report it to the worker."""
+        self.kv_cache_manager.free(request.request_id)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    @hookimpl
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        drafts = model_runner_output.draft_token_ids
+        any_stopped = False
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue  # finished or aborted while this step was in flight
+            is_stale = request.num_stale_output_tokens > 0
+            if is_stale:
+                request.num_stale_output_tokens -= num_tokens
+                assert request.num_stale_output_tokens >= 0, request.ledger()
+            else:
+                request.num_in_flight_tokens -= num_tokens
+            index = model_runner_output.req_id_to_index.get(request_id)
+            generated = (
+                list(model_runner_output.sampled_token_ids[index]) if index is not None else []
+            )
+            scheduled_spec = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
+            if scheduled_spec and generated:
+                num_draft = len(scheduled_spec)
+                num_accepted = max(len(generated) - self.num_sampled_tokens_per_step, 0)
+                num_rejected = num_draft - num_accepted
+                # Rejections roll back num_computed_tokens and the placeholders that covered
+                # the drafts; a stale count predates the preemption rollback.
+                if not is_stale:
+                    if request.num_computed_tokens > 0:
+                        request.num_computed_tokens -= num_rejected
+                    if request.num_output_placeholders > 0:
+                        request.num_output_placeholders -= num_rejected
+                    self.spec_metrics.observe(num_draft, num_accepted)
+            if is_stale or not generated:
+                continue
+            new_token_ids, stopped = self._append_output(request, generated)
+            if drafts is not None and not stopped:
+                request.spec_token_ids = drafts.get(request_id, [])
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=new_token_ids,
+                    finish_reason=request.status.finish_reason if stopped else None,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            if stopped:
+                any_stopped = True
+                self._release(request)
+        if any_stopped:
+            self.running = [r for r in self.running if not r.is_finished]
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            self.num_steps_in_flight -= 1
+            self.kv_cache_manager.mark_step_processed()
+        return outputs

@@ -1,0 +1,80 @@
+"""WAITING queues: first-come-first-served and priority (lower value first, then arrival)."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+from tandem.core.request import Request
+
+
+class FCFSQueue:
+    """Arrival order; a preempted request is put back at the front."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def prepend(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove(self, requests: Iterable[Request]) -> None:
+        drop = {id(r) for r in requests}
+        self._queue = deque(r for r in self._queue if id(r) not in drop)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+class PriorityQueue:
+    """Ordered by (priority, arrival_time); a preempted request keeps its key, so it comes
+    back ahead of every later arrival of the same priority."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._tiebreak = itertools.count()
+
+    def add(self, request: Request) -> None:
+        heapq.heappush(
+            self._heap, (request.priority, request.arrival_time, next(self._tiebreak), request)
+        )
+
+    prepend = add
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, requests: Iterable[Request]) -> None:
+        drop = {id(r) for r in requests}
+        self._heap = [entry for entry in self._heap if id(entry[3]) not in drop]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[3] for entry in sorted(self._heap))
+
+
+def make_queue(policy: str) -> FCFSQueue | PriorityQueue:
+    if policy == "fcfs":
+        return FCFSQueue()
+    if policy == "priority":
+        return PriorityQueue()
+    raise ValueError(f"scheduler.scheduling_policy: expected 'fcfs' or 'priority', got {policy!r}")

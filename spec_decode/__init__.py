@@ -1,0 +1,1 @@
+"""Speculative decoding plugins: drafters and rejection sampling."""

@@ -1,0 +1,1 @@
+"""Structured output plugins: grammar backends behind grammar_bitmask."""

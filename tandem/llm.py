@@ -1,0 +1,138 @@
+"""`LLM`: vLLM's offline surface over the tandem engine."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tandem.core.config import EngineConfig, load_config
+from tandem.core.engine_core import EngineCore, set_engine_threads
+from tandem.core.executor import EXECUTORS
+from tandem.core.output_processor import OutputProcessor
+from tandem.core.outputs import CompletionOutput, RequestOutput
+from tandem.core.request import Request
+from tandem.core.resolve import resolve_config
+from tandem.core.sampling_params import SamplingParams
+
+PromptType = str | Sequence[int] | dict[str, Any]
+
+
+class LLM:
+    """Load a model and a plugin stack, then generate.
+
+    `LLM(model=..., config="stack.yaml", **overrides)`: keywords override config fields by
+    name (`max_num_seqs=64`, `async_scheduling=False`, ...). `model="scripted"` runs the
+    deterministic test model (token-id prompts only).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        config: str | Path | EngineConfig | None = None,
+        **overrides: Any,
+    ) -> None:
+        user_config = load_config(config, model=model, **overrides)
+        executor_cls = EXECUTORS.get(user_config.parallel.executor)
+        supports_async = executor_cls.supports_async_scheduling if executor_cls else False
+        self.config = resolve_config(user_config, executor_supports_async=supports_async)
+        set_engine_threads(1)
+        source = str(config) if isinstance(config, (str, Path)) else "<config>"
+        self.engine = EngineCore(self.config, source=source)
+        self.tokenizer = None
+        self.output_processor = OutputProcessor()
+        self._counter = itertools.count()
+
+    def _prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "prompts: text prompts need a tokenizer; the scripted model takes token ids"
+                )
+            return prompt, list(self.tokenizer.encode(prompt))
+        return None, [int(t) for t in prompt]
+
+    def _add(self, rid: str, text: str | None, token_ids: list[int], params: SamplingParams, priority: int) -> None:
+        request = Request(
+            request_id=rid,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.config.model.eos_token_id,
+            arrival_time=time.monotonic(),
+            priority=priority,
+        )
+        self.engine.add_request(request)
+        self.output_processor.add_request(rid, text, token_ids, request.arrival_time)
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        A prompt is a string, a list of token ids or a dict with `prompt` or
+        `prompt_token_ids`. `n > 1` runs n sequences that share the prompt's KV through
+        prefix caching (seeded: sequence j uses seed + j). A bad prompt raises before any
+        generation; requests already added for this call are aborted.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts")
+        groups: list[tuple[str, list[str]]] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompt_list, params_list, strict=True)):
+                text, token_ids = self._prompt_token_ids(prompt)
+                group_id = str(next(self._counter))
+                children = [f"{group_id}-{j}" for j in range(p.n)] if p.n > 1 else [group_id]
+                groups.append((group_id, children))
+                for j, rid in enumerate(children):
+                    child = p
+                    if p.n > 1:
+                        seed = None if p.seed is None else p.seed + j
+                        child = p.model_copy(update={"n": 1, "seed": seed})
+                    self._add(rid, text, token_ids, child, priority[i] if priority else 0)
+        except Exception:
+            added = [rid for _, children in groups for rid in children if rid in self.output_processor.records]
+            self.engine.abort_requests(added)
+            self._run()
+            for rid in added:
+                self.output_processor.pop(rid)
+            raise
+        self._run()
+        return [self._merge(group_id, children) for group_id, children in groups]
+
+    def _merge(self, group_id: str, children: list[str]) -> RequestOutput:
+        outs = [self.output_processor.pop(rid) for rid in children]
+        merged = outs[0]
+        merged.request_id = group_id
+        merged.outputs = [
+            CompletionOutput(
+                index=j,
+                text=o.outputs[0].text,
+                token_ids=o.outputs[0].token_ids,
+                finish_reason=o.outputs[0].finish_reason,
+                stop_reason=o.outputs[0].stop_reason,
+            )
+            for j, o in enumerate(outs)
+        ]
+        merged.finished = all(o.finished for o in outs)
+        return merged
+
+    def _run(self) -> None:
+        while self.engine.has_work():
+            outputs, _ = self.engine.step_fn()
+            self.output_processor.process(outputs)

@@ -153,9 +153,7 @@ def _override_target(key: str) -> tuple[str | None, str]:
     raise ConfigError(f"unknown engine option {key!r}: not a field of any config section")
 
 
-def load_config(
-    path: str | Path | EngineConfig | None = None, **overrides: Any
-) -> EngineConfig:
+def load_config(path: str | Path | EngineConfig | None = None, **overrides: Any) -> EngineConfig:
     """Read an optional YAML stack file (or start from an `EngineConfig`), apply keyword
     overrides, validate.
 

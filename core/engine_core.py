@@ -112,7 +112,9 @@ class EngineCore:
             return []
         self.hook.abort_requests(request_ids=ids, status=RequestStatus.FINISHED_ABORTED)
         self._live.difference_update(ids)
-        return [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="abort") for rid in ids]
+        return [
+            EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="abort") for rid in ids
+        ]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.hook.has_unfinished_requests())

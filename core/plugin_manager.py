@@ -146,7 +146,9 @@ def resolve_stack(config: EngineConfig, source: str = "<config>") -> list[tuple[
     if "scheduler" not in roles:
         raise PluginConfigError(f"{source}: plugins: the stack has no scheduler plugin")
     if config.scheduler.async_scheduling and "async-layer" not in roles:
-        index = next(i for i, (_, c) in enumerate(resolved) if getattr(c, "role", None) == "scheduler")
+        index = next(
+            i for i, (_, c) in enumerate(resolved) if getattr(c, "role", None) == "scheduler"
+        )
         spec = PluginSpec(name="async-scheduler")
         resolved.insert(index + 1, (spec, load_plugin_class(spec.name, f"{source}: plugins")))
     if not config.scheduler.async_scheduling and "async-layer" in roles:
@@ -167,7 +169,9 @@ def validate_options(spec: PluginSpec, cls: type, where: str) -> BaseModel:
 class TandemPluginManager(pluggy.PluginManager):
     """A pluggy manager holding one side (engine or worker) of a resolved stack."""
 
-    def __init__(self, config: EngineConfig, side: str = "engine", source: str = "<config>") -> None:
+    def __init__(
+        self, config: EngineConfig, side: str = "engine", source: str = "<config>"
+    ) -> None:
         super().__init__(PROJECT)
         self.config = config
         self.side = side

@@ -38,9 +38,7 @@ def resolve_async_scheduling(config: EngineConfig, executor_supports_async: bool
     incompatible = async_incompatibility(config, executor_supports_async)
     requested = config.scheduler.async_scheduling
     if requested and incompatible:
-        raise ConfigError(
-            f"scheduler.async_scheduling: true is not supported with {incompatible}"
-        )
+        raise ConfigError(f"scheduler.async_scheduling: true is not supported with {incompatible}")
     if requested is None:
         if incompatible:
             logger.info("async scheduling disabled: %s", incompatible)
@@ -72,7 +70,10 @@ def resolve_config(config: EngineConfig, executor_supports_async: bool = True) -
             f"{config.cache.block_size} tokens hold {capacity} tokens, fewer than "
             f"max_model_len ({model.max_model_len}); one request could never finish"
         )
-    if config.speculative and config.speculative.prompt_lookup_min > config.speculative.prompt_lookup_max:
+    if (
+        config.speculative
+        and config.speculative.prompt_lookup_min > config.speculative.prompt_lookup_max
+    ):
         raise ConfigError("speculative.prompt_lookup_min must be <= speculative.prompt_lookup_max")
     config.scheduler.async_scheduling = resolve_async_scheduling(config, executor_supports_async)
     return config

@@ -131,7 +131,9 @@ class DefaultSampler(TandemPlugin):
         seeded = metadata.seeds >= 0
         if bool(seeded.any()):
             idx = seeded.nonzero().squeeze(1)
-            uniform[idx] = seeded_uniform(metadata.seeds[idx], metadata.output_positions[idx], vocab)
+            uniform[idx] = seeded_uniform(
+                metadata.seeds[idx], metadata.output_positions[idx], vocab
+            )
         gumbel = -torch.log(-torch.log(uniform.clamp(1e-12, 1.0 - 1e-7)))
         drawn = (scaled + gumbel).argmax(dim=1)
         return torch.where(temperature > 0, drawn, greedy)
@@ -153,7 +155,9 @@ class DefaultSampler(TandemPlugin):
         draft_grid = torch.full((len(num_drafts), max_k), -2, dtype=torch.int64, device=device)
         draft_start = torch.cumsum(counts, 0) - counts
         dvalid = j[None, :max_k] < counts[:, None]
-        didx = (draft_start[:, None] + j[None, :max_k]).clamp(max=max(metadata.draft_token_ids.numel() - 1, 0))
+        didx = (draft_start[:, None] + j[None, :max_k]).clamp(
+            max=max(metadata.draft_token_ids.numel() - 1, 0)
+        )
         if metadata.draft_token_ids.numel():
             draft_grid = torch.where(dvalid, metadata.draft_token_ids.to(device)[didx], -2)
         accepted = (grid[:, :max_k] == draft_grid).to(torch.int64).cumprod(dim=1).sum(dim=1)

@@ -103,9 +103,7 @@ class ReferenceScheduler(TandemPlugin):
     # Scheduling -----------------------------------------------------------------------
     def _num_new_tokens(self, request: Request, token_budget: int, num_computed: int) -> int:
         """The request's outstanding work, clamped by threshold, budget and max_model_len."""
-        num_new = (
-            request.num_tokens_with_spec + request.num_output_placeholders - num_computed
-        )
+        num_new = request.num_tokens_with_spec + request.num_output_placeholders - num_computed
         if 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
         num_new = min(num_new, token_budget)

@@ -58,7 +58,14 @@ class LLM:
             return prompt, list(self.tokenizer.encode(prompt))
         return None, [int(t) for t in prompt]
 
-    def _add(self, rid: str, text: str | None, token_ids: list[int], params: SamplingParams, priority: int) -> None:
+    def _add(
+        self,
+        rid: str,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+    ) -> None:
         request = Request(
             request_id=rid,
             prompt_token_ids=token_ids,
@@ -89,9 +96,13 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)  # type: ignore[arg-type]
         params = sampling_params if sampling_params is not None else SamplingParams()
-        params_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
+        params_list = (
+            [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
+        )
         if len(params_list) != len(prompt_list):
-            raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts")
+            raise ValueError(
+                f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts"
+            )
         groups: list[tuple[str, list[str]]] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompt_list, params_list, strict=True)):
@@ -106,7 +117,12 @@ class LLM:
                         child = p.model_copy(update={"n": 1, "seed": seed})
                     self._add(rid, text, token_ids, child, priority[i] if priority else 0)
         except Exception:
-            added = [rid for _, children in groups for rid in children if rid in self.output_processor.records]
+            added = [
+                rid
+                for _, children in groups
+                for rid in children
+                if rid in self.output_processor.records
+            ]
             self.engine.abort_requests(added)
             self._run()
             for rid in added:

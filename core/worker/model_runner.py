@@ -64,7 +64,9 @@ class ModelRunner:
     pending logits of each executed step are kept in a FIFO.
     """
 
-    def __init__(self, model: StepModel, hooks: HookCaller, block_size: int, num_spec_tokens: int) -> None:
+    def __init__(
+        self, model: StepModel, hooks: HookCaller, block_size: int, num_spec_tokens: int
+    ) -> None:
         self.model = model
         self.hooks = hooks
         self.block_size = block_size
@@ -159,7 +161,9 @@ class ModelRunner:
             metadata = self._sampling_metadata(batch, grammar_bitmask)
             result = self.hooks.sample(logits=logits, metadata=metadata)
             if result is None:
-                raise RuntimeError("no plugin answered the `sample` hook: the stack needs a sampler")
+                raise RuntimeError(
+                    "no plugin answered the `sample` hook: the stack needs a sampler"
+                )
             rows = result.sampled_token_ids.tolist()
             for r, row in zip(batch.sample_req_indices, rows, strict=True):
                 tokens = [t for t in row if t >= 0]

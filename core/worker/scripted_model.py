@@ -49,7 +49,9 @@ class ScriptedModel:
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.device = torch.device(device)
-        self.kv_cache = torch.full((num_blocks * block_size,), -1, dtype=torch.int64, device=self.device)
+        self.kv_cache = torch.full(
+            (num_blocks * block_size,), -1, dtype=torch.int64, device=self.device
+        )
 
     def write_kv(self, slot_mapping: torch.Tensor, input_ids: torch.Tensor) -> None:
         self.kv_cache.index_copy_(0, slot_mapping, input_ids)

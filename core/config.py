@@ -66,6 +66,9 @@ class CacheConfig(_Section):
     block_size: int = Field(16, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1, description="explicit pool size")
     enable_prefix_caching: bool = True
+    kv_cache_memory_gib: float = Field(
+        1.0, gt=0, description="KV pool size when num_kv_blocks is not given (real models)"
+    )
 
 
 class SpeculativeConfig(_Section):

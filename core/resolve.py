@@ -47,6 +47,32 @@ def resolve_async_scheduling(config: EngineConfig, executor_supports_async: bool
     return requested
 
 
+def _resolve_real_model(config: EngineConfig) -> None:
+    """Fill vocabulary, EOS, max_model_len and the KV pool size from the model's files."""
+    import torch
+
+    from tandem.core.model_files import load_hf_config, resolve_model_dir
+    from tandem.core.worker.hf_model import kv_bytes_per_token, resolve_dtype
+
+    model = config.model
+    model_dir = resolve_model_dir(model.model)
+    model.model = str(model_dir)
+    hf = load_hf_config(model_dir)
+    model.vocab_size = hf.vocab_size
+    if model.eos_token_id is None:
+        eos = getattr(hf, "eos_token_id", None)
+        model.eos_token_id = eos[0] if isinstance(eos, list) else eos
+    if model.max_model_len is None:
+        model.max_model_len = int(getattr(hf, "max_position_embeddings", 2048))
+    if config.cache.num_kv_blocks is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        per_token = kv_bytes_per_token(hf, resolve_dtype(model.dtype, device))
+        budget = int(config.cache.kv_cache_memory_gib * (1 << 30))
+        config.cache.num_kv_blocks = max(1, budget // (per_token * config.cache.block_size))
+        capacity = config.cache.num_kv_blocks * config.cache.block_size
+        model.max_model_len = min(model.max_model_len, capacity)
+
+
 def resolve_config(config: EngineConfig, executor_supports_async: bool = True) -> EngineConfig:
     """Return a copy with every `None` that has a computable value filled in."""
     config = config.model_copy(deep=True)
@@ -58,6 +84,8 @@ def resolve_config(config: EngineConfig, executor_supports_async: bool = True) -
             model.eos_token_id = SCRIPTED_DEFAULT_EOS
         if model.max_model_len is None:
             model.max_model_len = SCRIPTED_DEFAULT_MAX_MODEL_LEN
+    else:
+        _resolve_real_model(config)
     if model.max_model_len is None:
         raise ConfigError("model.max_model_len: could not be determined; set it explicitly")
     if config.cache.num_kv_blocks is None:

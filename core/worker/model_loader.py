@@ -21,6 +21,16 @@ def load_step_model(config: EngineConfig) -> StepModel:
             num_blocks=num_blocks,
             block_size=config.cache.block_size,
         )
-    raise ConfigError(
-        f"model.model: {config.model.model!r}: only the scripted model is available in this build"
+    import torch
+
+    from tandem.core.model_files import resolve_model_dir
+    from tandem.core.worker.hf_model import HFStepModel, resolve_dtype
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return HFStepModel(
+        model_dir=resolve_model_dir(config.model.model),
+        dtype=resolve_dtype(config.model.dtype, device),
+        num_blocks=num_blocks,
+        block_size=config.cache.block_size,
+        device=device,
     )

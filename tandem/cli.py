@@ -1,0 +1,207 @@
+"""The `tandem` command line.
+
+tandem plugins list                 installed plugins: name, distribution, version, hooks
+tandem plugins show NAME            one plugin's docs and option defaults
+tandem config show [STACK.yaml]     the resolved stack: order, who answers each hook, options
+tandem generate PROMPT...           generate (token ids with --token-ids on the scripted model)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from tandem.core.config import ConfigError, load_config
+from tandem.core.hookspecs import EngineHookSpecs, WorkerHookSpecs
+from tandem.core.plugin_manager import (
+    discover_plugins,
+    implemented_hooks,
+    load_plugin_class,
+    resolve_stack,
+    validate_options,
+)
+from tandem.core.resolve import resolve_config
+
+
+def _firstresult_hooks() -> set[str]:
+    names = set()
+    for specs in (EngineHookSpecs, WorkerHookSpecs):
+        for name, fn in vars(specs).items():
+            opts = getattr(fn, "tandem_spec", None)
+            if opts and opts.get("firstresult"):
+                names.add(name)
+    return names
+
+
+def cmd_plugins_list(args: argparse.Namespace) -> int:
+    for name, info in sorted(discover_plugins().items()):
+        try:
+            cls = load_plugin_class(name)
+            hooks = ", ".join(sorted(implemented_hooks(cls)))
+            options = getattr(cls, "Options", None)
+            schema = (
+                json.dumps(options.model_json_schema().get("properties", {})) if options else "{}"
+            )
+        except ConfigError as exc:
+            hooks, schema = f"ERROR: {exc}", "-"
+        print(f"{name}  ({info.distribution} {info.version})  [{info.value}]")
+        print(f"    hooks:   {hooks}")
+        print(f"    options: {schema}")
+    return 0
+
+
+def cmd_plugins_show(args: argparse.Namespace) -> int:
+    cls = load_plugin_class(args.name)
+    print(f"{args.name}: {cls.__module__}.{cls.__qualname__}")
+    print((sys.modules[cls.__module__].__doc__ or "").strip())
+    print()
+    print((cls.__doc__ or "").strip())
+    options = getattr(cls, "Options", None)
+    if options is not None:
+        print("\noptions (defaults):")
+        print(json.dumps(options().model_dump(), indent=2, default=str))
+    print("\nhooks:", ", ".join(sorted(implemented_hooks(cls))))
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    config = resolve_config(load_config(args.stack, **_overrides(args)))
+    source = args.stack or "<defaults>"
+    resolved = resolve_stack(config, source)
+    firstresult = _firstresult_hooks()
+    print(f"# resolved stack from {source}")
+    print(json.dumps(config.model_dump(exclude={"plugins"}), indent=2))
+    print("plugins (call order):")
+    answers: dict[str, str] = {}
+    for i, (spec, cls) in enumerate(resolved):
+        options = validate_options(spec, cls, f"{source}: plugins[{i}]")
+        hooks = sorted(implemented_hooks(cls))
+        for hook in hooks:
+            if hook in firstresult:
+                answers.setdefault(hook, spec.name)
+        print(f"  {i}. {spec.name}  options={json.dumps(options.model_dump(), default=str)}")
+        print(f"     hooks: {', '.join(hooks)}")
+    print("firstresult hooks answered by:")
+    for hook in sorted(firstresult):
+        print(f"  {hook}: {answers.get(hook, '(nobody)')}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tandem import LLM, SamplingParams
+
+    llm = LLM(model=args.model, config=args.config, **_overrides(args))
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, top_p=args.top_p
+    )
+    prompts: list[Any]
+    if args.token_ids:
+        prompts = [[int(t) for t in p.replace(",", " ").split()] for p in args.prompts]
+    else:
+        prompts = list(args.prompts)
+    for out in llm.generate(prompts, params):
+        completion = out.outputs[0]
+        print(
+            json.dumps(
+                {
+                    "prompt": out.prompt,
+                    "text": completion.text,
+                    "token_ids": completion.token_ids,
+                    "finish_reason": completion.finish_reason,
+                }
+            )
+        )
+    return 0
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    keys = (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "block_size",
+        "num_kv_blocks",
+    )
+    out = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    if getattr(args, "async_scheduling", None) is not None:
+        out["async_scheduling"] = args.async_scheduling
+    return out
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-seqs", type=int, help="most requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
+    p.add_argument("--max-model-len", type=int, help="longest sequence (prompt + output)")
+    p.add_argument("--block-size", type=int, help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=int, help="explicit KV pool size in blocks")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--async-scheduling",
+        dest="async_scheduling",
+        action="store_true",
+        default=None,
+        help="plan step t+1 while step t runs (default: on when compatible)",
+    )
+    group.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="the synchronous loop",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem", description="tandem: a plugin-architected LLM inference engine"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(
+        dest="action", required=True
+    )
+    plugins.add_parser(
+        "list", help="every installed plugin with its hooks and option schema"
+    ).set_defaults(fn=cmd_plugins_list)
+    show = plugins.add_parser("show", help="one plugin's documentation and option defaults")
+    show.add_argument("name")
+    show.set_defaults(fn=cmd_plugins_show)
+
+    config = sub.add_parser("config", help="stack files").add_subparsers(
+        dest="action", required=True
+    )
+    cshow = config.add_parser("show", help="print the resolved stack: order, hook answers, options")
+    cshow.add_argument("stack", nargs="?", help="YAML stack file (default: built-in defaults)")
+    _engine_flags(cshow)
+    cshow.set_defaults(fn=cmd_config_show)
+
+    gen = sub.add_parser("generate", help="generate completions for prompts")
+    gen.add_argument("prompts", nargs="+", help="prompt texts (or token ids with --token-ids)")
+    gen.add_argument(
+        "--model", help="model: 'default', 'scripted', an HF directory or a .gguf file"
+    )
+    gen.add_argument("--config", help="YAML stack file")
+    gen.add_argument(
+        "--token-ids", action="store_true", help="prompts are space/comma separated token ids"
+    )
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most output tokens per prompt")
+    gen.add_argument("--seed", type=int, help="per-request seed")
+    _engine_flags(gen)
+    gen.set_defaults(fn=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ConfigError, ValueError) as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

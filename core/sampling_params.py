@@ -44,6 +44,9 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     logprobs: int | None = Field(None, ge=0, description="number of top logprobs to return")
     bad_words: list[str] = Field(default_factory=list)
+    #: Token sequences of `bad_words`, filled in by the front door's tokenizer (or given
+    #: directly when there is no tokenizer).
+    bad_words_token_ids: list[list[int]] = Field(default_factory=list)
     structured_outputs: dict[str, Any] | None = None
     skip_special_tokens: bool = True
 

@@ -116,6 +116,9 @@ class DefaultSampler(TandemPlugin):
             apply_bitmask(logits, metadata.grammar_bitmask.to(logits.device))
         if metadata.output_token_ids is not None:
             apply_penalties(logits, metadata)
+        if metadata.blocked_tokens is not None:
+            rows, tokens = metadata.blocked_tokens
+            logits[rows.to(logits.device), tokens.to(logits.device)] = float("-inf")
         targets = self._sample_rows(logits, metadata)
         return SamplerOutput(sampled_token_ids=self._verify(targets, metadata))
 

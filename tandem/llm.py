@@ -42,7 +42,13 @@ class LLM:
         source = str(config) if isinstance(config, (str, Path)) else "<config>"
         self.engine = EngineCore(self.config, source=source)
         self.tokenizer = None
-        self.output_processor = OutputProcessor()
+        if self.config.model.model != "scripted":
+            from pathlib import Path as _Path
+
+            from tandem.core.model_files import load_tokenizer
+
+            self.tokenizer = load_tokenizer(_Path(self.config.model.model))
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
 
     def _prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -75,7 +81,7 @@ class LLM:
             priority=priority,
         )
         self.engine.add_request(request)
-        self.output_processor.add_request(rid, text, token_ids, request.arrival_time)
+        self.output_processor.add_request(rid, text, token_ids, request.arrival_time, params)
 
     def generate(
         self,
@@ -142,13 +148,48 @@ class LLM:
                 token_ids=o.outputs[0].token_ids,
                 finish_reason=o.outputs[0].finish_reason,
                 stop_reason=o.outputs[0].stop_reason,
+                logprobs=o.outputs[0].logprobs,
             )
             for j, o in enumerate(outs)
         ]
         merged.finished = all(o.finished for o in outs)
         return merged
 
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, formatted with the
+        model's chat template. Each message needs `role` and `content`."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "chat: the model has no tokenizer (the scripted model takes token ids)"
+            )
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for c, conversation in enumerate(conversations):  # type: ignore[arg-type]
+            for m, message in enumerate(conversation):
+                if (
+                    not isinstance(message, dict)
+                    or "role" not in message
+                    or "content" not in message
+                ):
+                    raise ValueError(
+                        f"messages[{c}][{m}]: expected a mapping with 'role' and 'content', got {message!r}"
+                    )
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params)
+
     def _run(self) -> None:
         while self.engine.has_work():
             outputs, _ = self.engine.step_fn()
             self.output_processor.process(outputs)
+            if self.output_processor.stopped_by_string:
+                self.engine.abort_requests(self.output_processor.stopped_by_string)
+                self.output_processor.stopped_by_string = []

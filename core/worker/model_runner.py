@@ -49,6 +49,7 @@ class RunnerRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_id: int | None = None
     drafts: list[int] = field(default_factory=list)
 
     @property
@@ -87,6 +88,7 @@ class ModelRunner:
                 sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                eos_token_id=new.eos_token_id,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -115,13 +117,19 @@ class ModelRunner:
     ) -> SamplingMetadata:
         temperature, top_k, top_p, min_p, seeds, positions, histories = [], [], [], [], [], [], []
         presence, frequency, repetition = [], [], []
+        blocked_rows: list[int] = []
+        blocked_ids: list[int] = []
         need_history = False
         for r, k in zip(batch.sample_req_indices, batch.num_draft_tokens, strict=True):
             state = self.requests[batch.req_ids[r]]
             params = state.sampling_params
             need_history |= params.presence_penalty != 0 or params.frequency_penalty != 0
-            need_history |= params.repetition_penalty != 1.0 or bool(params.bad_words)
+            need_history |= params.repetition_penalty != 1.0
             for j in range(k + 1):
+                row = len(temperature)
+                for token in self._blocked_tokens(state, j):
+                    blocked_rows.append(row)
+                    blocked_ids.append(token)
                 temperature.append(params.temperature)
                 top_k.append(params.top_k)
                 top_p.append(params.top_p)
@@ -152,7 +160,32 @@ class ModelRunner:
             if need_history
             else None,
             grammar_bitmask=grammar_bitmask,
+            blocked_tokens=(
+                torch.tensor(blocked_rows, dtype=torch.int64, device=device),
+                torch.tensor(blocked_ids, dtype=torch.int64, device=device),
+            )
+            if blocked_rows
+            else None,
         )
+
+    @staticmethod
+    def _blocked_tokens(state: RunnerRequestState, offset: int) -> list[int]:
+        """Tokens the row sampling output `num_output_tokens + offset` must not produce:
+        EOS and stop tokens before `min_tokens`, and the last token of each bad word whose
+        other tokens end the history."""
+        params = state.sampling_params
+        blocked: list[int] = []
+        if state.num_output_tokens + offset < params.min_tokens:
+            if not params.ignore_eos and state.eos_token_id is not None:
+                blocked.append(state.eos_token_id)
+            blocked.extend(params.stop_token_ids)
+        if params.bad_words_token_ids:
+            history = state.token_ids[state.num_prompt_tokens :]
+            for word in params.bad_words_token_ids:
+                prefix = word[:-1]
+                if not prefix or history[len(history) - len(prefix) :] == prefix:
+                    blocked.append(word[-1])
+        return blocked
 
     def sample_tokens(self, grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
         so, batch, logits = self._pending.pop(0)

@@ -33,5 +33,8 @@ class SamplingMetadata:
     output_token_ids: list[list[int]] | None = None
     #: (presence, frequency, repetition) per row; set together with output_token_ids.
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    #: (rows, token ids) pairs forbidden this step: EOS and stop tokens before min_tokens,
+    #: bad words whose prefix matches the row's history.
+    blocked_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
     grammar_bitmask: torch.Tensor | None = None
     max_num_logprobs: int | None = None

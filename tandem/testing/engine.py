@@ -72,6 +72,16 @@ def expected_scripted_output(
     out: list[int] = []
     while True:
         token = scripted_next_token(history, vocab_size)
+        if len(out) < params.min_tokens:
+            blocked = set(params.stop_token_ids)
+            if not params.ignore_eos and eos_token_id is not None:
+                blocked.add(eos_token_id)
+            if token in blocked:  # the sampler masks them: the next best scripted logit wins
+                ripple = [(token * 131 + v * 71) % 193 for v in range(vocab_size)]
+                token = max(
+                    (v for v in range(vocab_size) if v not in blocked),
+                    key=lambda v: (ripple[v], -v),
+                )
         history.append(token)
         out.append(token)
         if len(history) >= max_model_len or len(out) >= params.max_tokens:

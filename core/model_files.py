@@ -120,7 +120,14 @@ def load_hf_config(model_dir: Path):  # noqa: ANN201 - transformers PretrainedCo
     return config
 
 
-def load_tokenizer(model_dir: Path):  # noqa: ANN201 - transformers tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_dir: Path):  # noqa: ANN201 - transformers tokenizer or None
+    """The model's tokenizer, or None for a directory without tokenizer files (then only
+    token-id prompts work)."""
+    if not any((model_dir / name).exists() for name in TOKENIZER_FILES):
+        return None
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))

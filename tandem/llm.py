@@ -59,7 +59,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
-                    "prompts: text prompts need a tokenizer; the scripted model takes token ids"
+                    "prompts: text prompts need a tokenizer; this model has none, pass token ids"
                 )
             return prompt, list(self.tokenizer.encode(prompt))
         return None, [int(t) for t in prompt]

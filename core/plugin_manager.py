@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, ClassVar
@@ -180,6 +179,7 @@ class TandemPluginManager(pluggy.PluginManager):
         self.stack: list[tuple[str, Any]] = []
         resolved = resolve_stack(config, source)
         instances: list[tuple[str, Any]] = []
+        self.stack_names = [spec.name for spec, _ in resolved]
         for i, (spec, cls) in enumerate(resolved):
             options = validate_options(spec, cls, f"{source}: plugins[{i}]")
             self._check_hook_names(spec.name, cls)
@@ -194,7 +194,9 @@ class TandemPluginManager(pluggy.PluginManager):
                     f"{source}: plugins[{i}]: plugin {spec.name!r} failed to start: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
-            instances.append((spec.name, instance))
+            # A plugin may appear twice in a stack (with different options).
+            name = spec.name if spec.name not in dict(instances) else f"{spec.name}#{i}"
+            instances.append((name, instance))
         for name, instance in reversed(instances):
             try:
                 self.register(instance, name=name)
@@ -219,5 +221,6 @@ class TandemPluginManager(pluggy.PluginManager):
     def plugins_with_role(self, role: str) -> list[Any]:
         return [p for _, p in self.stack if getattr(p, "role", None) == role]
 
-    def plugin_names(self) -> Iterable[str]:
-        return [name for name, _ in self.stack]
+    def plugin_names(self) -> list[str]:
+        """The whole resolved stack, in call order (both sides)."""
+        return list(self.stack_names)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from tandem.core.sampling_params import format_validation_error
 
@@ -112,6 +112,12 @@ class EngineConfig(_Section):
     plugins: list[PluginSpec] | None = None
     check_invariants: bool = False
     trace_hooks: bool = False
+    #: Where the config came from (a stack file's path), for error messages.
+    _source: str = PrivateAttr(default="<config>")
+
+    @property
+    def source(self) -> str:
+        return self._source
 
     @field_validator("plugins", mode="before")
     @classmethod
@@ -195,6 +201,8 @@ def load_config(path: str | Path | EngineConfig | None = None, **overrides: Any)
                 raise ConfigError(f"{source}: {section}: expected a mapping")
             target[field] = value
     try:
-        return EngineConfig.model_validate(data)
+        config = EngineConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, source)) from exc
+    config._source = source if isinstance(path, (str, Path)) else getattr(path, "source", source)
+    return config

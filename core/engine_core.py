@@ -46,12 +46,14 @@ class EngineCore:
         config: EngineConfig,
         executor: Executor | None = None,
         vocab_size: int | None = None,
-        source: str = "<config>",
+        source: str | None = None,
     ) -> None:
         self.config = config
         self.max_model_len = config.max_model_len
         self.vocab_size = vocab_size if vocab_size is not None else config.model.vocab_size
-        self.plugin_manager = TandemPluginManager(config, side="engine", source=source)
+        self.plugin_manager = TandemPluginManager(
+            config, side="engine", source=source if source is not None else config.source
+        )
         self.hook = self.plugin_manager.hook
         self.executor = executor if executor is not None else make_executor(config)
         self.batch_queue_size = config.max_concurrent_batches
@@ -85,6 +87,11 @@ class EngineCore:
                 )
         if request.request_id in self._live:
             raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
+        if any(request.request_id in so.num_scheduled_tokens for _, so, _ in self.batch_queue):
+            raise ValueError(
+                f"request_id: {request.request_id!r} finished but a step computing it is still "
+                f"in flight; reuse the id once that step completes"
+            )
 
     def add_request(self, request: Request) -> None:
         """Validate and hand the request to every plugin. A plugin that rejects it (raises

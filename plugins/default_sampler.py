@@ -112,6 +112,7 @@ class DefaultSampler(TandemPlugin):
     @hookimpl(trylast=True)
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.to(torch.float32)
+        raw_logprobs = logits.log_softmax(dim=1) if metadata.max_num_logprobs is not None else None
         if metadata.grammar_bitmask is not None:
             apply_bitmask(logits, metadata.grammar_bitmask.to(logits.device))
         if metadata.output_token_ids is not None:
@@ -120,7 +121,27 @@ class DefaultSampler(TandemPlugin):
             rows, tokens = metadata.blocked_tokens
             logits[rows.to(logits.device), tokens.to(logits.device)] = float("-inf")
         targets = self._sample_rows(logits, metadata)
-        return SamplerOutput(sampled_token_ids=self._verify(targets, metadata))
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = self._logprobs(raw_logprobs, targets, metadata.max_num_logprobs or 0)
+        return SamplerOutput(sampled_token_ids=self._verify(targets, metadata), logprobs=logprobs)
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor, targets: torch.Tensor, num_top: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per row: the sampled token then the top `num_top`, their logprobs (of the raw
+        model distribution), and the sampled token's rank (1 = most likely)."""
+        sampled = raw.gather(1, targets[:, None])
+        ranks = (raw > sampled).sum(dim=1) + 1
+        if num_top > 0:
+            top = raw.topk(num_top, dim=1)
+            return (
+                torch.cat([targets[:, None], top.indices], dim=1),
+                torch.cat([sampled, top.values], dim=1),
+                ranks,
+            )
+        return targets[:, None], sampled, ranks
 
     def _sample_rows(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         greedy = logits.argmax(dim=1)

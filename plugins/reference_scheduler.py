@@ -375,10 +375,15 @@ class ReferenceScheduler(TandemPlugin):
             new_token_ids, stopped = self._append_output(request, generated)
             if drafts is not None and not stopped:
                 request.spec_token_ids = drafts.get(request_id, [])
+            new_logprobs = None
+            if model_runner_output.logprobs is not None and index is not None:
+                row_logprobs = model_runner_output.logprobs[index]
+                new_logprobs = row_logprobs[: len(new_token_ids)] if row_logprobs else None
             outputs.append(
                 EngineCoreOutput(
                     request_id=request_id,
                     new_token_ids=new_token_ids,
+                    new_logprobs=new_logprobs,
                     finish_reason=request.status.finish_reason if stopped else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),

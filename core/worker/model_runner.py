@@ -120,11 +120,14 @@ class ModelRunner:
         blocked_rows: list[int] = []
         blocked_ids: list[int] = []
         need_history = False
+        max_logprobs: int | None = None
         for r, k in zip(batch.sample_req_indices, batch.num_draft_tokens, strict=True):
             state = self.requests[batch.req_ids[r]]
             params = state.sampling_params
             need_history |= params.presence_penalty != 0 or params.frequency_penalty != 0
             need_history |= params.repetition_penalty != 1.0
+            if params.logprobs is not None:
+                max_logprobs = max(max_logprobs or 0, params.logprobs)
             for j in range(k + 1):
                 row = len(temperature)
                 for token in self._blocked_tokens(state, j):
@@ -160,6 +163,7 @@ class ModelRunner:
             if need_history
             else None,
             grammar_bitmask=grammar_bitmask,
+            max_num_logprobs=max_logprobs,
             blocked_tokens=(
                 torch.tensor(blocked_rows, dtype=torch.int64, device=device),
                 torch.tensor(blocked_ids, dtype=torch.int64, device=device),
@@ -190,6 +194,7 @@ class ModelRunner:
     def sample_tokens(self, grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
         so, batch, logits = self._pending.pop(0)
         sampled_rows: list[list[int]] = [[] for _ in batch.req_ids]
+        logprobs: list[list[dict[int, tuple[float, int]]] | None] | None = None
         if batch.sample_req_indices:
             metadata = self._sampling_metadata(batch, grammar_bitmask)
             result = self.hooks.sample(logits=logits, metadata=metadata)
@@ -202,13 +207,43 @@ class ModelRunner:
                 tokens = [t for t in row if t >= 0]
                 sampled_rows[r] = tokens
                 self.requests[batch.req_ids[r]].token_ids.extend(tokens)
+            if result.logprobs is not None:
+                logprobs = self._logprobs_per_request(batch, sampled_rows, result.logprobs)
         drafts = self._propose_drafts(batch, sampled_rows)
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
             sampled_token_ids=sampled_rows,
+            logprobs=logprobs,
             draft_token_ids=drafts,
         )
+
+    def _logprobs_per_request(
+        self,
+        batch: FlatBatch,
+        sampled_rows: list[list[int]],
+        logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> list[list[dict[int, tuple[float, int]]] | None]:
+        """For each request that asked: one {token: (logprob, rank)} per new token, the
+        sampled token first, then the top-N of that position."""
+        token_ids, values, ranks = (t.tolist() for t in logprobs)
+        out: list[list[dict[int, tuple[float, int]]] | None] = [None] * len(batch.req_ids)
+        row = 0
+        for r, k in zip(batch.sample_req_indices, batch.num_draft_tokens, strict=True):
+            num_top = self.requests[batch.req_ids[r]].sampling_params.logprobs
+            if num_top is not None:
+                entries = []
+                for j in range(len(sampled_rows[r])):
+                    ids, lps = token_ids[row + j], values[row + j]
+                    entry = {ids[0]: (lps[0], ranks[row + j])}
+                    for rank, (tid, lp) in enumerate(
+                        zip(ids[1 : 1 + num_top], lps[1 : 1 + num_top], strict=True), 1
+                    ):
+                        entry.setdefault(tid, (lp, rank))
+                    entries.append(entry)
+                out[r] = entries
+            row += k + 1
+        return out
 
     def _propose_drafts(
         self, batch: FlatBatch, sampled_rows: list[list[int]]

@@ -45,7 +45,10 @@ def embedded_gguf_path() -> Path:
 def gguf_architecture(path: Path) -> str:
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # the gguf reader raises bare errors for corrupt files
+        raise ConfigError(f"model.model: {path} is not a readable GGUF file ({exc})") from exc
     field = reader.fields.get("general.architecture")
     if field is None:
         raise ConfigError(f"model.model: {path} has no general.architecture field")

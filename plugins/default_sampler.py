@@ -29,41 +29,63 @@ def _logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniform (0, 1) noise `[rows, vocab]` from a splitmix64 hash of (seed, position, token)."""
-    token = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
-    x = (seeds * _GOLDEN + positions * _MIX2)[:, None] + token[None, :] * _GOLDEN
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (wrapping arithmetic)."""
     x = (x ^ _logical_shift(x, 30)) * _MIX1
     x = (x ^ _logical_shift(x, 27)) * _MIX2
-    x = x ^ _logical_shift(x, 31)
+    return x ^ _logical_shift(x, 31)
+
+
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform (0, 1) noise `[rows, vocab]`: a hash of (seed, position, token), each stage
+    fully mixed so that nearby seeds, positions and tokens give independent draws."""
+    token = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    row = _mix(_mix(seeds * _GOLDEN + 1) ^ (positions * _GOLDEN + 2))
+    x = _mix(row[:, None] ^ (token[None, :] * _MIX1 + 3))
     u = (_logical_shift(x, 11) & _MASK53).to(torch.float64) / float(1 << 53)
     return u.clamp_(1e-12, 1.0 - 1e-12).to(torch.float32)
 
 
-def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
-    """In place: repetition (divide positive / multiply negative logits of seen tokens),
-    frequency (minus count * f) and presence (minus p if seen), over each row's outputs."""
-    histories = metadata.output_token_ids
-    if histories is None:
-        return
-    rows, vocab = logits.shape
-    counts = torch.zeros((rows, vocab), dtype=torch.float32, device=logits.device)
+def _counts(
+    histories: list[list[int]], rows: int, vocab: int, device: torch.device
+) -> torch.Tensor:
+    """`[rows, vocab]` occurrence counts of each row's tokens (-1 placeholders skipped)."""
+    counts = torch.zeros((rows, vocab), dtype=torch.float32, device=device)
     lengths = [len(h) for h in histories]
     if sum(lengths):
         row_index = torch.repeat_interleave(torch.arange(rows), torch.tensor(lengths))
         tokens = torch.tensor([t for h in histories for t in h], dtype=torch.int64)
-        keep = tokens >= 0  # -1 marks a placeholder whose id is not known yet
+        keep = tokens >= 0
         counts.index_put_(
-            (row_index[keep].to(logits.device), tokens[keep].to(logits.device)),
-            torch.ones(int(keep.sum()), device=logits.device),
+            (row_index[keep].to(device), tokens[keep].to(device)),
+            torch.ones(int(keep.sum()), device=device),
             accumulate=True,
         )
-    seen = counts > 0
-    assert metadata.penalties is not None
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """In place, as vLLM: repetition over prompt and output tokens (divide positive logits,
+    multiply negative ones), frequency (minus count * f) and presence (minus p if seen)
+    over output tokens only."""
+    histories = metadata.output_token_ids
+    if histories is None or metadata.penalties is None:
+        return
+    rows, vocab = logits.shape
     presence, frequency, repetition = (t.to(logits.device) for t in metadata.penalties)
-    rep = repetition[:, None]
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits.copy_(torch.where(seen, penalised, logits))
+    counts = _counts(histories, rows, vocab, logits.device)
+    seen = counts > 0
+    if bool((repetition != 1.0).any()):
+        in_prompt = (
+            _counts(
+                metadata.prompt_token_ids or [[] for _ in range(rows)], rows, vocab, logits.device
+            )
+            > 0
+        )
+        repeated = seen | in_prompt
+        rep = repetition[:, None]
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits.copy_(torch.where(repeated, penalised, logits))
     logits -= frequency[:, None] * counts
     logits -= presence[:, None] * seen.to(logits.dtype)
 

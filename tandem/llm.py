@@ -64,6 +64,18 @@ class LLM:
             return prompt, list(self.tokenizer.encode(prompt))
         return None, [int(t) for t in prompt]
 
+    def _bad_words_token_ids(self, params: SamplingParams) -> SamplingParams:
+        """Tokenise `bad_words` (each word as written and with a leading space)."""
+        if not params.bad_words or self.tokenizer is None:
+            return params
+        sequences: list[list[int]] = list(params.bad_words_token_ids)
+        for word in params.bad_words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer(variant, add_special_tokens=False)["input_ids"]
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return params.model_copy(update={"bad_words_token_ids": sequences})
+
     def _add(
         self,
         rid: str,
@@ -72,6 +84,7 @@ class LLM:
         params: SamplingParams,
         priority: int,
     ) -> None:
+        params = self._bad_words_token_ids(params)
         request = Request(
             request_id=rid,
             prompt_token_ids=token_ids,

@@ -117,6 +117,7 @@ class ModelRunner:
     ) -> SamplingMetadata:
         temperature, top_k, top_p, min_p, seeds, positions, histories = [], [], [], [], [], [], []
         presence, frequency, repetition = [], [], []
+        prompts: list[list[int]] = []
         blocked_rows: list[int] = []
         blocked_ids: list[int] = []
         need_history = False
@@ -140,6 +141,7 @@ class ModelRunner:
                 seeds.append(params.seed if params.seed is not None else -1)
                 positions.append(state.num_output_tokens + j)
                 histories.append(state.token_ids[state.num_prompt_tokens :])
+                prompts.append(state.token_ids[: state.num_prompt_tokens])
                 presence.append(params.presence_penalty)
                 frequency.append(params.frequency_penalty)
                 repetition.append(params.repetition_penalty)
@@ -155,6 +157,7 @@ class ModelRunner:
             num_draft_tokens=batch.num_draft_tokens,
             draft_token_ids=torch.tensor(batch.draft_token_ids, dtype=torch.int64, device=device),
             output_token_ids=histories if need_history else None,
+            prompt_token_ids=prompts if need_history else None,
             penalties=(
                 torch.tensor(presence, dtype=torch.float32),
                 torch.tensor(frequency, dtype=torch.float32),
@@ -197,7 +200,8 @@ class ModelRunner:
         logprobs: list[list[dict[int, tuple[float, int]]] | None] | None = None
         if batch.sample_req_indices:
             metadata = self._sampling_metadata(batch, grammar_bitmask)
-            result = self.hooks.sample(logits=logits, metadata=metadata)
+            with torch.inference_mode():  # logits may be inference tensors; samplers write in place
+                result = self.hooks.sample(logits=logits, metadata=metadata)
             if result is None:
                 raise RuntimeError(
                     "no plugin answered the `sample` hook: the stack needs a sampler"

@@ -31,6 +31,8 @@ class SamplingMetadata:
     num_draft_tokens: list[int]
     draft_token_ids: torch.Tensor
     output_token_ids: list[list[int]] | None = None
+    #: Each row's prompt: the repetition penalty covers prompt and output tokens.
+    prompt_token_ids: list[list[int]] | None = None
     #: (presence, frequency, repetition) per row; set together with output_token_ids.
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     #: (rows, token ids) pairs forbidden this step: EOS and stop tokens before min_tokens,

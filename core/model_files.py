@@ -56,9 +56,15 @@ def gguf_architecture(path: Path) -> str:
 
 
 def _cache_dir_for(path: Path) -> Path:
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
-    return cache_root() / f"{path.stem}-{key[:16]}"
+    """Keyed by content (size plus the first and last MiB), so every install of the same
+    file shares one converted copy."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read(1 << 20))
+    return cache_root() / f"{path.stem}-{digest.hexdigest()[:16]}"
 
 
 def convert_gguf(path: Path) -> Path:

@@ -101,7 +101,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts = [[int(t) for t in p.replace(",", " ").split()] for p in args.prompts]
     else:
         prompts = list(args.prompts)
-    for out in llm.generate(prompts, params):
+    for out in llm.generate(prompts, params, use_tqdm=len(prompts) > 1):
         completion = out.outputs[0]
         print(
             json.dumps(
@@ -113,6 +113,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 }
             )
         )
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive chat on stdin: one user message per line, empty line or EOF to quit."""
+    from tandem import LLM, SamplingParams
+
+    llm = LLM(model=args.model, config=args.config, **_overrides(args))
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+    )
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    while True:
+        try:
+            line = input("you> ") if sys.stdin.isatty() else sys.stdin.readline()
+        except EOFError:
+            break
+        line = line.strip()
+        if not line:
+            break
+        history.append({"role": "user", "content": line})
+        reply = llm.chat(history, params)[0].outputs[0].text.strip()
+        history.append({"role": "assistant", "content": reply})
+        print(f"assistant> {reply}", flush=True)
     return 0
 
 
@@ -191,6 +217,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="per-request seed")
     _engine_flags(gen)
     gen.set_defaults(fn=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat on stdin with the model's chat template")
+    chat.add_argument("--model", help="model: 'default', an HF directory or a .gguf file")
+    chat.add_argument("--config", help="YAML stack file")
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    chat.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply")
+    chat.add_argument("--seed", type=int, help="per-request seed")
+    _engine_flags(chat)
+    chat.set_defaults(fn=cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks against peers (same weights, same token ids)")
     bench.add_argument(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -101,6 +102,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
@@ -147,7 +149,7 @@ class LLM:
             for rid in added:
                 self.output_processor.pop(rid)
             raise
-        self._run()
+        self._run(progress_total=sum(len(c) for _, c in groups) if use_tqdm else 0)
         return [self._merge(group_id, children) for group_id, children in groups]
 
     def _merge(self, group_id: str, children: list[str]) -> RequestOutput:
@@ -199,10 +201,29 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params)
 
-    def _run(self) -> None:
+    def _run(self, progress_total: int = 0) -> None:
+        """Step until idle; with `progress_total`, draw a progress bar on stderr."""
+        done = 0
+        started = time.monotonic()
         while self.engine.has_work():
             outputs, _ = self.engine.step_fn()
-            self.output_processor.process(outputs)
+            finished = self.output_processor.process(outputs)
+            if progress_total and finished:
+                done += len(finished)
+                _draw_progress(done, progress_total, started)
             if self.output_processor.stopped_by_string:
                 self.engine.abort_requests(self.output_processor.stopped_by_string)
                 self.output_processor.stopped_by_string = []
+
+
+def _draw_progress(done: int, total: int, started: float) -> None:
+    width = 30
+    filled = int(width * done / total)
+    rate = done / max(time.monotonic() - started, 1e-9)
+    end = "\n" if done >= total else ""
+    print(
+        f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests, {rate:.2f} req/s",
+        end=end,
+        file=sys.stderr,
+        flush=True,
+    )

@@ -169,9 +169,10 @@ def run_peer(
 def _spawn(cmd: list[str], env_extra: dict[str, str]) -> dict[str, Any]:
     env = {**os.environ, **env_extra, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        return {"error": proc.stderr[-2000:]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (proc.stderr or proc.stdout)[-2000:]}
+    return json.loads(lines[-1])
 
 
 def main(argv: list[str] | None = None) -> int:

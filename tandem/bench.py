@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 threads_env |= {
                     "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
                     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                    "VLLM_CPU_KVCACHE_SPACE": "1",
                 }
             else:
                 cmd = [

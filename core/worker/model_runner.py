@@ -19,6 +19,7 @@ from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.draft_context import DraftContext
 from tandem.core.worker.flat_batch import FlatBatch, build_flat_batch
+from tandem.core.worker.input_batch import InputBatch
 from tandem.core.worker.sampling_metadata import SamplingMetadata
 
 
@@ -73,14 +74,15 @@ class ModelRunner:
         self.block_size = block_size
         self.num_spec_tokens = num_spec_tokens
         self.requests: dict[str, RunnerRequestState] = {}
+        self.input_batch = InputBatch(max_num_reqs=64)
         self._pending: list[tuple[SchedulerOutput, FlatBatch, torch.Tensor]] = []
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids:
+        for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             self.requests.pop(req_id, None)
-        for req_id in so.preempted_req_ids:
-            self.requests.pop(req_id, None)
+            self.input_batch.remove(req_id)
         for new in so.scheduled_new_reqs:
+            self.input_batch.add(new.req_id, new.sampling_params)
             self.requests[new.req_id] = RunnerRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.token_ids),
@@ -97,7 +99,9 @@ class ModelRunner:
 
     def execute_model(self, so: SchedulerOutput) -> None:
         self._update_states(so)
-        req_ids = list(so.num_scheduled_tokens)
+        self.input_batch.condense()
+        row = self.input_batch.req_id_to_row
+        req_ids = sorted(so.num_scheduled_tokens, key=row.__getitem__)
         states = [self.requests[r] for r in req_ids]
         batch = build_flat_batch(
             req_ids=req_ids,
@@ -115,54 +119,58 @@ class ModelRunner:
     def _sampling_metadata(
         self, batch: FlatBatch, grammar_bitmask: torch.Tensor | None
     ) -> SamplingMetadata:
-        temperature, top_k, top_p, min_p, seeds, positions, histories = [], [], [], [], [], [], []
-        presence, frequency, repetition = [], [], []
+        """Per sampled row: the request's persistent-batch row (parameters are gathered
+        from its tensors), output position, blocked tokens and, when penalties need them,
+        histories."""
+        states = [self.requests[batch.req_ids[r]] for r in batch.sample_req_indices]
+        need_history = any(
+            st.sampling_params.presence_penalty != 0
+            or st.sampling_params.frequency_penalty != 0
+            or st.sampling_params.repetition_penalty != 1.0
+            for st in states
+        )
+        asked = [
+            st.sampling_params.logprobs for st in states if st.sampling_params.logprobs is not None
+        ]
+        max_logprobs = max(asked) if asked else None
+        rows: list[int] = []
+        positions: list[int] = []
+        histories: list[list[int]] = []
         prompts: list[list[int]] = []
         blocked_rows: list[int] = []
         blocked_ids: list[int] = []
-        need_history = False
-        max_logprobs: int | None = None
-        for r, k in zip(batch.sample_req_indices, batch.num_draft_tokens, strict=True):
-            state = self.requests[batch.req_ids[r]]
-            params = state.sampling_params
-            need_history |= params.presence_penalty != 0 or params.frequency_penalty != 0
-            need_history |= params.repetition_penalty != 1.0
-            if params.logprobs is not None:
-                max_logprobs = max(max_logprobs or 0, params.logprobs)
+        for state, k in zip(states, batch.num_draft_tokens, strict=True):
+            row = self.input_batch.req_id_to_row[state.req_id]
             for j in range(k + 1):
-                row = len(temperature)
                 for token in self._blocked_tokens(state, j):
-                    blocked_rows.append(row)
+                    blocked_rows.append(len(rows))
                     blocked_ids.append(token)
-                temperature.append(params.temperature)
-                top_k.append(params.top_k)
-                top_p.append(params.top_p)
-                min_p.append(params.min_p)
-                seeds.append(params.seed if params.seed is not None else -1)
+                rows.append(row)
                 positions.append(state.num_output_tokens + j)
-                histories.append(state.token_ids[state.num_prompt_tokens :])
-                prompts.append(state.token_ids[: state.num_prompt_tokens])
-                presence.append(params.presence_penalty)
-                frequency.append(params.frequency_penalty)
-                repetition.append(params.repetition_penalty)
+                if need_history:
+                    histories.append(state.token_ids[state.num_prompt_tokens :])
+                    prompts.append(state.token_ids[: state.num_prompt_tokens])
         device = self.model.device
+        index = torch.tensor(rows, dtype=torch.int64)
+        ib = self.input_batch
+        temperature = ib.temperature[index]
+
+        def on_device(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device)
+
         return SamplingMetadata(
-            all_greedy=all(t == 0.0 for t in temperature),
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
+            all_greedy=bool((temperature == 0).all()),
+            temperature=on_device(temperature),
+            top_k=on_device(ib.top_k[index]),
+            top_p=on_device(ib.top_p[index]),
+            min_p=on_device(ib.min_p[index]),
+            seeds=on_device(ib.seeds[index]),
             output_positions=torch.tensor(positions, dtype=torch.int64, device=device),
             num_draft_tokens=batch.num_draft_tokens,
             draft_token_ids=torch.tensor(batch.draft_token_ids, dtype=torch.int64, device=device),
             output_token_ids=histories if need_history else None,
             prompt_token_ids=prompts if need_history else None,
-            penalties=(
-                torch.tensor(presence, dtype=torch.float32),
-                torch.tensor(frequency, dtype=torch.float32),
-                torch.tensor(repetition, dtype=torch.float32),
-            )
+            penalties=(ib.presence[index], ib.frequency[index], ib.repetition[index])
             if need_history
             else None,
             grammar_bitmask=grammar_bitmask,

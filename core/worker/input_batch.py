@@ -21,28 +21,33 @@ class InputBatch:
     there is no hole below `num_rows`.
     """
 
+    #: Per-row parameter tensors: name -> (dtype, value of an empty row).
+    COLUMNS: dict[str, tuple[torch.dtype, float]] = {
+        "temperature": (torch.float32, 0.0),
+        "top_k": (torch.int64, 0),
+        "top_p": (torch.float32, 1.0),
+        "min_p": (torch.float32, 0.0),
+        "seeds": (torch.int64, -1),
+        "presence": (torch.float32, 0.0),
+        "frequency": (torch.float32, 0.0),
+        "repetition": (torch.float32, 1.0),
+    }
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeds: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+
     def __init__(self, max_num_reqs: int) -> None:
         self.max_num_reqs = max_num_reqs
         self.req_ids: list[str | None] = []
         self.req_id_to_row: dict[str, int] = {}
-        self.temperature = torch.zeros(max_num_reqs, dtype=torch.float32)
-        self.top_k = torch.zeros(max_num_reqs, dtype=torch.int64)
-        self.top_p = torch.ones(max_num_reqs, dtype=torch.float32)
-        self.min_p = torch.zeros(max_num_reqs, dtype=torch.float32)
-        self.seeds = torch.full((max_num_reqs,), -1, dtype=torch.int64)
-        self.presence = torch.zeros(max_num_reqs, dtype=torch.float32)
-        self.frequency = torch.zeros(max_num_reqs, dtype=torch.float32)
-        self.repetition = torch.ones(max_num_reqs, dtype=torch.float32)
-        self._per_row = (
-            self.temperature,
-            self.top_k,
-            self.top_p,
-            self.min_p,
-            self.seeds,
-            self.presence,
-            self.frequency,
-            self.repetition,
-        )
+        for name, (dtype, fill) in self.COLUMNS.items():
+            setattr(self, name, torch.full((max_num_reqs,), fill, dtype=dtype))
 
     @property
     def num_rows(self) -> int:
@@ -70,23 +75,12 @@ class InputBatch:
         return row
 
     def _grow(self) -> None:
+        old = self.max_num_reqs
         self.max_num_reqs *= 2
-        grown = []
-        for tensor in self._per_row:
-            bigger = torch.empty(self.max_num_reqs, dtype=tensor.dtype)
-            bigger[: tensor.shape[0]] = tensor
-            grown.append(bigger)
-        (
-            self.temperature,
-            self.top_k,
-            self.top_p,
-            self.min_p,
-            self.seeds,
-            self.presence,
-            self.frequency,
-            self.repetition,
-        ) = grown
-        self._per_row = tuple(grown)
+        for name, (dtype, fill) in self.COLUMNS.items():
+            bigger = torch.full((self.max_num_reqs,), fill, dtype=dtype)
+            bigger[:old] = getattr(self, name)
+            setattr(self, name, bigger)
 
     def remove(self, req_id: str) -> None:
         row = self.req_id_to_row.pop(req_id, None)
@@ -109,8 +103,9 @@ class InputBatch:
             assert req_id is not None
             self.req_ids[hole] = req_id
             self.req_id_to_row[req_id] = hole
-            for tensor in self._per_row:
-                tensor[hole] = tensor[last]
+            for name in self.COLUMNS:
+                column = getattr(self, name)
+                column[hole] = column[last]
             moves.append((last, hole))
             while self.req_ids and self.req_ids[-1] is None:
                 self.req_ids.pop()

@@ -13,7 +13,6 @@ and its output changes (the negative control proving the scenario exercises the 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,27 +33,10 @@ from tandem.testing.engine import (
     make_request,
     scripted_config,
 )
+from tandem.testing.stubs import CollectFuture as LateFuture
 
 VOCAB = 128
 EOS = 1
-
-
-class LateFuture(Future):
-    """A resolved future whose first `result()` runs `on_collect` before answering."""
-
-    def __init__(self, inner: Future, on_collect: Callable[[], None]) -> None:
-        super().__init__()
-        self._on_collect: Callable[[], None] | None = on_collect
-        try:
-            self.set_result(inner.result())
-        except BaseException as exc:  # surfaced through result()
-            self.set_exception(exc)
-
-    def result(self, timeout: float | None = None) -> Any:
-        if self._on_collect is not None:
-            on_collect, self._on_collect = self._on_collect, None
-            on_collect()
-        return super().result(timeout)
 
 
 @dataclass

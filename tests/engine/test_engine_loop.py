@@ -29,27 +29,10 @@ from tandem.testing.engine import (
     make_request,
     scripted_config,
 )
+from tandem.testing.stubs import CollectFuture
 
 VOCAB = 128
 EOS = 1
-
-
-class CollectFuture(Future):
-    """A resolved future whose first `result()` calls `on_collect` before answering."""
-
-    def __init__(self, inner: Future, on_collect: Callable[[], None]) -> None:
-        super().__init__()
-        self._on_collect: Callable[[], None] | None = on_collect
-        try:
-            self.set_result(inner.result())
-        except BaseException as exc:  # surfaced through result()
-            self.set_exception(exc)
-
-    def result(self, timeout: float | None = None) -> Any:
-        if self._on_collect is not None:
-            on_collect, self._on_collect = self._on_collect, None
-            on_collect()
-        return super().result(timeout)
 
 
 class TrackingExecutor(Executor):

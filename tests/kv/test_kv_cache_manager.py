@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 
 from tandem.kv import KVCacheManager
+from tandem.testing.stubs import KVRequestStub as Req
 
 BS = 4
-
-
-@dataclass
-class Req:
-    """Minimal object satisfying the KVRequest protocol."""
-
-    request_id: str
-    all_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 def prefill(mgr: KVCacheManager, req: Req) -> list[int]:

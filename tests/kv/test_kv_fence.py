@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 
 from tandem.kv import KVCacheManager
+from tandem.testing.stubs import KVRequestStub as Req
 
 BS = 2
-
-
-@dataclass
-class Req:
-    request_id: str
-    all_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 def admit(mgr: KVCacheManager, rid: str, tokens: list[int]) -> Req:

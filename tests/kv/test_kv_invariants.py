@@ -2,22 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from tandem.kv import KVCacheManager
+from tandem.testing.stubs import KVRequestStub as Req
 
 BS = 2
-
-
-@dataclass
-class Req:
-    request_id: str
-    all_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 def busy_manager() -> KVCacheManager:

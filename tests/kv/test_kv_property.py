@@ -5,25 +5,13 @@ hits whose content matches the request's prompt."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.kv import KVCacheManager
+from tandem.testing.stubs import KVRequestStub as Req
 
 OPS = ["admit"] * 3 + ["grow"] * 4 + ["free"] * 2 + ["schedule"] * 2 + ["process"] * 2
-
-
-@dataclass
-class Req:
-    request_id: str
-    all_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 class Model:

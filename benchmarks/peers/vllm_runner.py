@@ -30,7 +30,10 @@ def main() -> None:
     workload = json.loads(Path(args.workload).read_text())
     reqs = workload["requests"]
     llm = LLM(
-        model=model_dir, dtype="float32", enable_prefix_caching=False, max_model_len=2048,
+        model=model_dir,
+        dtype="float32",
+        enable_prefix_caching=False,
+        max_model_len=2048,
         gpu_memory_utilization=0.3,
     )
     params = [

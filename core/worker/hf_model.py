@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from tandem.core.worker.flat_batch import FlatBatch
+from tandem.core.worker.fused_decoder import FusedDecoder
 from tandem.core.worker.paged_attention import ATTENTION_NAME, build_metadata
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,6 +41,7 @@ class HFStepModel:
         num_blocks: int,
         block_size: int,
         device: torch.device,
+        fused: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -54,6 +56,7 @@ class HFStepModel:
         )
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
+        self.fused = FusedDecoder(self.model) if fused else None
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         shape = (num_blocks, block_size, cfg.num_key_value_heads, head_dim)
         self.kv_caches = [
@@ -78,11 +81,14 @@ class HFStepModel:
             batch.block_tables,
             self.block_size,
         )
-        hidden = self.model.model(
-            input_ids=batch.input_ids[None],
-            position_ids=batch.positions[None],
-            use_cache=False,
-            paged=meta,
-        ).last_hidden_state[0]
+        if self.fused is not None:
+            hidden = self.fused.forward(batch.input_ids, batch.positions, meta)
+        else:
+            hidden = self.model.model(
+                input_ids=batch.input_ids[None],
+                position_ids=batch.positions[None],
+                use_cache=False,
+                paged=meta,
+            ).last_hidden_state[0]
         sampled = hidden.index_select(0, batch.logits_indices)
         return self.model.lm_head(sampled).float()

@@ -1,0 +1,119 @@
+"""A compact forward for Llama-family decoders over a transformers model's own weights.
+
+Same math as the HF modules (RMSNorm, RoPE from the model's rotary module, GQA attention,
+SwiGLU MLP; Qwen2's QKV bias, Qwen3's per-head q/k norms), but with the Q, K and V
+projections fused into one matmul and gate and up into another, and no per-module Python:
+121 linear calls per token for a 30-layer model instead of 211.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.core.worker.paged_attention import PagedAttentionMetadata, paged_attention
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass(slots=True)
+class _Layer:
+    layer_idx: int
+    w_qkv: torch.Tensor
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+    ln_in: torch.Tensor
+    ln_post: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+class FusedDecoder:
+    """Runs `model.model` (a LlamaModel-like module) for one flattened step."""
+
+    def __init__(self, causal_lm: torch.nn.Module) -> None:
+        model = causal_lm.model
+        cfg = causal_lm.config
+        self.embed = model.embed_tokens
+        self.rotary = model.rotary_emb
+        self.norm_weight = model.norm.weight
+        self.eps = cfg.rms_norm_eps
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+        self.layers = []
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+            self.layers.append(
+                _Layer(
+                    layer_idx=i,
+                    w_qkv=torch.cat(
+                        [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+                    ).detach(),
+                    b_qkv=torch.cat(biases).detach() if biases[0] is not None else None,
+                    w_o=attn.o_proj.weight.detach(),
+                    w_gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+                    w_down=mlp.down_proj.weight.detach(),
+                    ln_in=layer.input_layernorm.weight.detach(),
+                    ln_post=layer.post_attention_layernorm.weight.detach(),
+                    q_norm=attn.q_norm.weight.detach() if hasattr(attn, "q_norm") else None,
+                    k_norm=attn.k_norm.weight.detach() if hasattr(attn, "k_norm") else None,
+                )
+            )
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.intermediate = self.layers[0].w_down.shape[1] if self.layers else 0
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states `[T, hidden]` after the final norm."""
+        h = self.embed(input_ids)
+        cos, sin = self.rotary(h[None], positions[None])
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, D]
+        tokens = h.shape[0]
+        for layer in self.layers:
+            x = _rms_norm(h, layer.ln_in, self.eps)
+            qkv = F.linear(x, layer.w_qkv, layer.b_qkv)
+            q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+                tokens, self.num_kv_heads, self.head_dim
+            )
+            v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+            if layer.q_norm is not None:
+                q = _rms_norm(q, layer.q_norm, self.eps)
+                k = _rms_norm(k, layer.k_norm, self.eps)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            attn, _ = paged_attention(
+                layer,  # exposes layer_idx, as an HF attention module does
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                None,
+                scaling=self.scaling,
+                paged=meta,
+            )
+            h = h + F.linear(attn.reshape(tokens, self.q_size), layer.w_o)
+            x = _rms_norm(h, layer.ln_post, self.eps)
+            gate_up = F.linear(x, layer.w_gate_up)
+            h = h + F.linear(
+                F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :],
+                layer.w_down,
+            )
+        return _rms_norm(h, self.norm_weight, self.eps)

@@ -3,8 +3,9 @@
 Per layer the KV cache is two pools `[num_blocks, block_size, kv_heads, head_dim]`. Each
 step writes the new keys and values at `slot_mapping`, then attends:
 
-- decodes (one query token per request) in one batched SDPA over the gathered context of
-  every decoding request, masked to each request's length;
+- decodes (one query token per request) sorted by context length and attended in groups
+  of similar length, one batched SDPA per group over the gathered contexts, masked to each
+  request's length;
 - prefill chunks one request at a time (a handful per step), causal with the chunk's offset
   into its context.
 
@@ -34,14 +35,47 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decoding requests of similar context length, attended together."""
+
+    token_idx: torch.Tensor  # [Rg] flat index of each decode's query token
+    block_ids: torch.Tensor  # [Rg * nb] flattened block tables, padded to the group's longest
+    mask: torch.Tensor  # [Rg, 1, 1, nb * block_size] keys inside each context
+
+
+@dataclass(slots=True)
 class PagedAttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     slot_mapping: torch.Tensor  # [T]
-    decode_token_idx: torch.Tensor  # [Rd] flat index of each decode's query token
-    decode_block_ids: torch.Tensor  # [Rd * nb] flattened block tables of the decodes
-    decode_mask: torch.Tensor  # [Rd, 1, 1, nb * block_size] keys inside the context
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     block_size: int
+
+
+#: Decodes are sorted by context length and attended in groups of about this many, so a
+#: short context is not padded to the longest one in the whole batch.
+DECODE_GROUP_SIZE = 16
+
+
+def _decode_group(
+    decodes: list[int],
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    block_size: int,
+) -> DecodeGroup:
+    device = block_tables.device
+    index = torch.tensor(decodes, dtype=torch.int64, device=device)
+    lens = torch.tensor([seq_lens[r] for r in decodes], dtype=torch.int64, device=device)
+    num_blocks = -(-int(lens.max()) // block_size)
+    keys = torch.arange(num_blocks * block_size, device=device)
+    return DecodeGroup(
+        token_idx=torch.tensor(
+            [query_start_loc[r] for r in decodes], dtype=torch.int64, device=device
+        ),
+        block_ids=block_tables[index, :num_blocks].reshape(-1),
+        mask=(keys[None, :] < lens[:, None])[:, None, None, :],
+    )
 
 
 def build_metadata(
@@ -53,7 +87,6 @@ def build_metadata(
     block_tables: torch.Tensor,
     block_size: int,
 ) -> PagedAttentionMetadata:
-    device = slot_mapping.device
     decodes = [r for r in range(len(seq_lens)) if query_start_loc[r + 1] - query_start_loc[r] == 1]
     decode_set = set(decodes)
     prefills = [
@@ -66,27 +99,17 @@ def build_metadata(
         for r in range(len(seq_lens))
         if r not in decode_set and query_start_loc[r + 1] > query_start_loc[r]
     ]
-    if decodes:
-        index = torch.tensor(decodes, dtype=torch.int64, device=device)
-        lens = torch.tensor([seq_lens[r] for r in decodes], dtype=torch.int64, device=device)
-        num_blocks = -(-int(lens.max()) // block_size)
-        tables = block_tables[index, :num_blocks]
-        keys = torch.arange(num_blocks * block_size, device=device)
-        mask = (keys[None, :] < lens[:, None])[:, None, None, :]
-        token_idx = torch.tensor(
-            [query_start_loc[r] for r in decodes], dtype=torch.int64, device=device
+    decodes.sort(key=seq_lens.__getitem__)
+    groups = [
+        _decode_group(
+            decodes[i : i + DECODE_GROUP_SIZE], query_start_loc, seq_lens, block_tables, block_size
         )
-        block_ids = tables.reshape(-1)
-    else:
-        token_idx = torch.zeros(0, dtype=torch.int64, device=device)
-        block_ids = torch.zeros(0, dtype=torch.int64, device=device)
-        mask = torch.zeros((0, 1, 1, 0), dtype=torch.bool, device=device)
+        for i in range(0, len(decodes), DECODE_GROUP_SIZE)
+    ]
     return PagedAttentionMetadata(
         kv_caches=kv_caches,
         slot_mapping=slot_mapping,
-        decode_token_idx=token_idx,
-        decode_block_ids=block_ids,
-        decode_mask=mask,
+        decode_groups=groups,
         prefills=prefills,
         block_size=block_size,
     )
@@ -124,20 +147,20 @@ def paged_attention(
 
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     out = torch.empty_like(q)
-    num_decodes = paged.decode_token_idx.numel()
-    if num_decodes:
-        qd = q.index_select(0, paged.decode_token_idx)[:, :, None, :]  # [Rd, Hq, 1, D]
-        kd = _gather(k_pool, paged.decode_block_ids, num_decodes)
-        vd = _gather(v_pool, paged.decode_block_ids, num_decodes)
+    for group in paged.decode_groups:
+        rows = group.token_idx.numel()
+        qd = q.index_select(0, group.token_idx)[:, :, None, :]  # [Rg, Hq, 1, D]
+        kd = _gather(k_pool, group.block_ids, rows)
+        vd = _gather(v_pool, group.block_ids, rows)
         od = F.scaled_dot_product_attention(
             qd,
             kd.to(qd.dtype),
             vd.to(qd.dtype),
-            attn_mask=paged.decode_mask,
+            attn_mask=group.mask,
             scale=scaling,
             enable_gqa=True,
         )
-        out.index_copy_(0, paged.decode_token_idx, od[:, :, 0, :])
+        out.index_copy_(0, group.token_idx, od[:, :, 0, :])
     for span in paged.prefills:
         qp = q[span.token_start : span.token_end].transpose(0, 1)[None]  # [1, Hq, n, D]
         kp = _gather(k_pool, span.block_ids, 1)

@@ -66,10 +66,19 @@ class InProcessExecutor(Executor):
 EXECUTORS: dict[str, type[Executor]] = {"inprocess": InProcessExecutor}
 
 
+def executor_class(name: str) -> type[Executor] | None:
+    """The executor registered under `name` (thread and process load on first use)."""
+    if name in ("thread", "process") and name not in EXECUTORS:
+        from tandem.core.worker_executors import ProcessExecutor, ThreadExecutor
+
+        EXECUTORS.update(thread=ThreadExecutor, process=ProcessExecutor)
+    return EXECUTORS.get(name)
+
+
 def make_executor(config: EngineConfig) -> Executor:
     name = config.parallel.executor
-    if name not in EXECUTORS:
+    if executor_class(name) is None:
         raise ConfigError(
-            f"parallel.executor: {name!r} is not available; choose one of {sorted(EXECUTORS)}"
+            f"parallel.executor: {name!r} is not available; choose one of inprocess, thread, process"
         )
     return EXECUTORS[name](config)

@@ -11,7 +11,7 @@ from typing import Any
 
 from tandem.core.config import EngineConfig, load_config
 from tandem.core.engine_core import EngineCore, set_engine_threads
-from tandem.core.executor import EXECUTORS
+from tandem.core.executor import executor_class
 from tandem.core.output_processor import OutputProcessor
 from tandem.core.outputs import CompletionOutput, RequestOutput
 from tandem.core.request import Request
@@ -36,7 +36,7 @@ class LLM:
         **overrides: Any,
     ) -> None:
         user_config = load_config(config, model=model, **overrides)
-        executor_cls = EXECUTORS.get(user_config.parallel.executor)
+        executor_cls = executor_class(user_config.parallel.executor)
         supports_async = executor_cls.supports_async_scheduling if executor_cls else False
         self.config = resolve_config(user_config, executor_supports_async=supports_async)
         set_engine_threads(1)
@@ -200,6 +200,10 @@ class LLM:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params)
+
+    def shutdown(self) -> None:
+        """Stop the executor (a worker thread or process). Idempotent."""
+        self.engine.shutdown()
 
     def _run(self, progress_total: int = 0) -> None:
         """Step until idle; with `progress_total`, draw a progress bar on stderr."""

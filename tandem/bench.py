@@ -56,7 +56,8 @@ def run_tandem(
 
     torch.set_num_threads(threads)
     llm = LLM(model=model, worker_num_threads=threads, **overrides)
-    torch.set_num_threads(threads)
+    # With the worker in its own process the engine only plans steps: one thread.
+    torch.set_num_threads(1 if llm.config.parallel.executor == "process" else threads)
     reqs = workload["requests"]
     params = [
         SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs
@@ -80,6 +81,7 @@ def run_tandem(
         and o.metrics.first_token_time
         and len(o.outputs[0].token_ids) > 1
     ]
+    llm.shutdown()
     return {
         "output_tokens": out_tokens,
         "elapsed_s": elapsed,
@@ -87,6 +89,8 @@ def run_tandem(
         "ttft_median_s": _median(ttft),
         "tpot_median_s": _median(tpot),
         "async_scheduling": llm.config.scheduler.async_scheduling,
+        "executor": llm.config.parallel.executor,
+        "engine_threads": torch.get_num_threads(),
         "config": {k: v for k, v in overrides.items()},
     }
 

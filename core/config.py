@@ -111,7 +111,6 @@ class EngineConfig(_Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     plugins: list[PluginSpec] | None = None
     check_invariants: bool = False
-    trace_hooks: bool = False
     #: Where the config came from (a stack file's path), for error messages.
     _source: str = PrivateAttr(default="<config>")
 
@@ -143,7 +142,7 @@ class EngineConfig(_Section):
 
 
 _SECTIONS = ("model", "scheduler", "cache", "speculative", "structured_output", "parallel")
-_TOP_LEVEL = ("plugins", "check_invariants", "trace_hooks")
+_TOP_LEVEL = ("plugins", "check_invariants")
 
 
 def _override_target(key: str) -> tuple[str | None, str]:

@@ -36,6 +36,3 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[dict[int, tuple[float, int]]] | None] | None = None
     draft_token_ids: dict[str, list[int]] | None = None
-
-
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput()

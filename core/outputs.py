@@ -26,7 +26,6 @@ class RequestMetrics:
     """Wall-clock timestamps (time.monotonic) of a request's life."""
 
     arrival_time: float
-    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
 

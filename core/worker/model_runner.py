@@ -9,7 +9,7 @@ scripted test model or a real transformer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -51,7 +51,6 @@ class RunnerRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
-    drafts: list[int] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:

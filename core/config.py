@@ -85,12 +85,28 @@ class StructuredOutputConfig(_Section):
     backend: Literal["auto", "xgrammar", "outlines"] = "auto"
 
 
+class SimulatedDeviceConfig(_Section):
+    """Cost model of the simulated device (defaults: an 8B bf16 model on an H100-class GPU).
+
+    A step takes max(FLOPs / flops_per_s, bytes / bytes_per_s): weights are read once per
+    step, each scheduled request's context KV once, every scheduled token costs
+    `flops_per_token`.
+    """
+
+    weight_bytes: float = Field(16.06e9, gt=0)
+    kv_bytes_per_token: float = Field(131_072, ge=0)
+    bytes_per_s: float = Field(3.84e12, gt=0)
+    flops_per_s: float = Field(594e12, gt=0)
+    flops_per_token: float = Field(2 * 8.03e9, ge=0)
+
+
 class ParallelConfig(_Section):
     """Where the model runs. Only `pipeline_parallel_size == 1` is implemented."""
 
     executor: Literal["inprocess", "thread", "process", "simulated"] = "inprocess"
     pipeline_parallel_size: int = Field(1, ge=1, le=1)
     worker_num_threads: int = Field(1, ge=1)
+    simulated_device: SimulatedDeviceConfig = Field(default_factory=SimulatedDeviceConfig)
 
 
 class PluginSpec(_Section):

@@ -72,6 +72,10 @@ def executor_class(name: str) -> type[Executor] | None:
         from tandem.core.worker_executors import ProcessExecutor, ThreadExecutor
 
         EXECUTORS.update(thread=ThreadExecutor, process=ProcessExecutor)
+    if name == "simulated" and name not in EXECUTORS:
+        from tandem.core.simulated_executor import SimulatedExecutor
+
+        EXECUTORS["simulated"] = SimulatedExecutor
     return EXECUTORS.get(name)
 
 
@@ -79,6 +83,6 @@ def make_executor(config: EngineConfig) -> Executor:
     name = config.parallel.executor
     if executor_class(name) is None:
         raise ConfigError(
-            f"parallel.executor: {name!r} is not available; choose one of inprocess, thread, process"
+            f"parallel.executor: {name!r} is not available; choose one of inprocess, thread, process, simulated"
         )
     return EXECUTORS[name](config)

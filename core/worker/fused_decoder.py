@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.core.worker.paged_attention import PagedAttentionMetadata, paged_attention
+from tandem.core.worker.split_linear import split_linear
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -89,7 +90,7 @@ class FusedDecoder:
         tokens = h.shape[0]
         for layer in self.layers:
             x = _rms_norm(h, layer.ln_in, self.eps)
-            qkv = F.linear(x, layer.w_qkv, layer.b_qkv)
+            qkv = split_linear(x, layer.w_qkv, layer.b_qkv)
             q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
                 tokens, self.num_kv_heads, self.head_dim
@@ -109,10 +110,10 @@ class FusedDecoder:
                 scaling=self.scaling,
                 paged=meta,
             )
-            h = h + F.linear(attn.reshape(tokens, self.q_size), layer.w_o)
+            h = h + split_linear(attn.reshape(tokens, self.q_size), layer.w_o)
             x = _rms_norm(h, layer.ln_post, self.eps)
-            gate_up = F.linear(x, layer.w_gate_up)
-            h = h + F.linear(
+            gate_up = split_linear(x, layer.w_gate_up)
+            h = h + split_linear(
                 F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :],
                 layer.w_down,
             )

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import torch
 
+from tandem.core.worker.cpu_kernels import PagedDecodeKernel
 from tandem.core.worker.flat_batch import FlatBatch
 from tandem.core.worker.fused_decoder import FusedDecoder
 from tandem.core.worker.paged_attention import ATTENTION_NAME, build_metadata
+from tandem.core.worker.split_linear import split_linear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,7 +44,10 @@ class HFStepModel:
         block_size: int,
         device: torch.device,
         fused: bool = True,
+        decode_kernel: PagedDecodeKernel | None = None,
     ) -> None:
+        """`decode_kernel` (float32 CPU only) attends decodes in place; the key pools are then
+        laid out for it, transposed per block."""
         from transformers import AutoModelForCausalLM
 
         self.device = device
@@ -58,11 +63,19 @@ class HFStepModel:
         self.vocab_size = cfg.vocab_size
         self.fused = FusedDecoder(self.model) if fused else None
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, head_dim)
+        if decode_kernel is not None and (dtype != torch.float32 or device.type != "cpu"):
+            raise ValueError("the CPU decode kernel needs float32 weights on the CPU")
+        self.decode_kernel = decode_kernel
+        value_shape = (num_blocks, block_size, cfg.num_key_value_heads, head_dim)
+        key_shape = (
+            (num_blocks, cfg.num_key_value_heads, head_dim, block_size)
+            if decode_kernel is not None
+            else value_shape
+        )
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(key_shape, dtype=dtype, device=device),
+                torch.zeros(value_shape, dtype=dtype, device=device),
             )
             for _ in range(cfg.num_hidden_layers)
         ]
@@ -80,6 +93,7 @@ class HFStepModel:
             seq_lens,
             batch.block_tables,
             self.block_size,
+            self.decode_kernel,
         )
         if self.fused is not None:
             hidden = self.fused.forward(batch.input_ids, batch.positions, meta)
@@ -91,4 +105,5 @@ class HFStepModel:
                 paged=meta,
             ).last_hidden_state[0]
         sampled = hidden.index_select(0, batch.logits_indices)
-        return self.model.lm_head(sampled).float()
+        head = self.model.lm_head
+        return split_linear(sampled, head.weight, head.bias).float().contiguous()

@@ -24,13 +24,19 @@ def load_step_model(config: EngineConfig) -> StepModel:
     import torch
 
     from tandem.core.model_files import resolve_model_dir
+    from tandem.core.worker.cpu_kernels import paged_decode_kernel
     from tandem.core.worker.hf_model import HFStepModel, resolve_dtype
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype(config.model.dtype, device)
+    use_kernel = (
+        config.model.attention == "auto" and device.type == "cpu" and dtype == torch.float32
+    )
     return HFStepModel(
         model_dir=resolve_model_dir(config.model.model),
-        dtype=resolve_dtype(config.model.dtype, device),
+        dtype=dtype,
         num_blocks=num_blocks,
         block_size=config.cache.block_size,
         device=device,
+        decode_kernel=paged_decode_kernel() if use_kernel else None,
     )

@@ -1,13 +1,16 @@
 """Paged attention over a flattened batch, plugged into transformers' attention registry.
 
-Per layer the KV cache is two pools `[num_blocks, block_size, kv_heads, head_dim]`. Each
-step writes the new keys and values at `slot_mapping`, then attends:
+Per layer the KV cache is two pools: values `[num_blocks, block_size, kv_heads, head_dim]`,
+keys the same or, with the compiled CPU decode kernel, transposed per block
+`[num_blocks, kv_heads, head_dim, block_size]` (`keys_transposed`). Each step writes the
+new keys and values at `slot_mapping`, then attends:
 
-- decodes (one query token per request) sorted by context length and attended in groups
-  of similar length, one batched SDPA per group over the gathered contexts, masked to each
-  request's length;
+- decodes (one query token per request): with the CPU kernel, all at once, reading the
+  pools in place (`cpu_kernels.PagedDecodeKernel`); otherwise sorted by context length and
+  attended in groups of similar length, one batched SDPA per group over the gathered
+  contexts, masked to each request's length;
 - prefill chunks one request at a time (a handful per step), causal with the chunk's offset
-  into its context.
+  into its context, SDPA over the gathered context.
 
 GQA is handled by SDPA (`enable_gqa`). The metadata is built once per step and reaches the
 attention function through the model's keyword pass-through (`paged=`).
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from tandem.core.worker.cpu_kernels import PagedDecodeKernel
 
 ATTENTION_NAME = "tandem_paged"
 
@@ -44,12 +49,28 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class DecodeBatch:
+    """Every decoding request of the step, for the CPU decode kernel."""
+
+    token_idx: torch.Tensor  # [Rd]
+    block_tables: torch.Tensor  # [Rd, max_blocks] int64, contiguous
+    seq_lens: torch.Tensor  # [Rd] int64
+
+
+@dataclass(slots=True)
 class PagedAttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     slot_mapping: torch.Tensor  # [T]
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     block_size: int
+    decode_kernel: PagedDecodeKernel | None = None
+    decode_batch: DecodeBatch | None = None
+    key_write_index: torch.Tensor | None = None  # [T * kv_heads * head_dim], transposed keys
+
+    @property
+    def keys_transposed(self) -> bool:
+        return self.decode_kernel is not None
 
 
 #: Decodes are sorted by context length and attended in groups of about this many, so a
@@ -86,7 +107,10 @@ def build_metadata(
     seq_lens: list[int],
     block_tables: torch.Tensor,
     block_size: int,
+    decode_kernel: PagedDecodeKernel | None = None,
 ) -> PagedAttentionMetadata:
+    """Per-step attention plan. With `decode_kernel` the key pools must be transposed per
+    block (see the module docstring)."""
     decodes = [r for r in range(len(seq_lens)) if query_start_loc[r + 1] - query_start_loc[r] == 1]
     decode_set = set(decodes)
     prefills = [
@@ -99,26 +123,70 @@ def build_metadata(
         for r in range(len(seq_lens))
         if r not in decode_set and query_start_loc[r + 1] > query_start_loc[r]
     ]
+    meta = PagedAttentionMetadata(
+        kv_caches=kv_caches,
+        slot_mapping=slot_mapping,
+        decode_groups=[],
+        prefills=prefills,
+        block_size=block_size,
+        decode_kernel=decode_kernel,
+    )
+    if decode_kernel is not None:
+        # Flat element offsets of each new token's keys in a `[blocks, heads, dim, block]` pool.
+        _, heads, dim, _ = kv_caches[0][0].shape
+        blocks = slot_mapping // block_size
+        token_base = blocks * (heads * dim * block_size) + (slot_mapping - blocks * block_size)
+        element = torch.arange(heads * dim, device=slot_mapping.device) * block_size
+        meta.key_write_index = (token_base[:, None] + element[None, :]).reshape(-1)
+    if not decodes:
+        return meta
+    if decode_kernel is not None:
+        device = block_tables.device
+        index = torch.tensor(decodes, dtype=torch.int64, device=device)
+        lens = [seq_lens[r] for r in decodes]
+        meta.decode_batch = DecodeBatch(
+            token_idx=torch.tensor(
+                [query_start_loc[r] for r in decodes], dtype=torch.int64, device=device
+            ),
+            block_tables=block_tables[index, : -(-max(lens) // block_size)]
+            .to(torch.int64)
+            .contiguous(),
+            seq_lens=torch.tensor(lens, dtype=torch.int64, device=device),
+        )
+        return meta
     decodes.sort(key=seq_lens.__getitem__)
-    groups = [
+    meta.decode_groups = [
         _decode_group(
             decodes[i : i + DECODE_GROUP_SIZE], query_start_loc, seq_lens, block_tables, block_size
         )
         for i in range(0, len(decodes), DECODE_GROUP_SIZE)
     ]
-    return PagedAttentionMetadata(
-        kv_caches=kv_caches,
-        slot_mapping=slot_mapping,
-        decode_groups=groups,
-        prefills=prefills,
-        block_size=block_size,
-    )
+    return meta
 
 
 def _gather(pool: torch.Tensor, block_ids: torch.Tensor, rows: int) -> torch.Tensor:
     """`[rows, kv_heads, rows_len, head_dim]` context view of the given blocks."""
     _, block_size, heads, dim = pool.shape
     return pool.index_select(0, block_ids).view(rows, -1, heads, dim).transpose(1, 2)
+
+
+def _gather_transposed(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """`[1, kv_heads, len, head_dim]` keys of the given blocks from a transposed key pool."""
+    _, heads, dim, block_size = pool.shape
+    blocks = pool.index_select(0, block_ids)  # [nb, heads, dim, block_size]
+    return blocks.permute(1, 0, 3, 2).reshape(heads, -1, dim)[None]
+
+
+def _write_kv(
+    meta: PagedAttentionMetadata, layer_idx: int, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """Store this step's `[T, kv_heads, head_dim]` keys and values at `slot_mapping`."""
+    k_pool, v_pool = meta.kv_caches[layer_idx]
+    v_pool.view(-1, *value.shape[1:]).index_copy_(0, meta.slot_mapping, value.to(v_pool.dtype))
+    if meta.key_write_index is not None:
+        k_pool.view(-1).index_copy_(0, meta.key_write_index, key.to(k_pool.dtype).reshape(-1))
+    else:
+        k_pool.view(-1, *key.shape[1:]).index_copy_(0, meta.slot_mapping, key.to(k_pool.dtype))
 
 
 def paged_attention(
@@ -137,16 +205,25 @@ def paged_attention(
     if paged is None:
         raise RuntimeError("tandem_paged attention needs the `paged=` metadata keyword")
     k_pool, v_pool = paged.kv_caches[module.layer_idx]
-    _, heads_kv, _, dim = key.shape
-    k_pool.view(-1, heads_kv, dim).index_copy_(
-        0, paged.slot_mapping, key[0].transpose(0, 1).to(k_pool.dtype)
-    )
-    v_pool.view(-1, heads_kv, dim).index_copy_(
-        0, paged.slot_mapping, value[0].transpose(0, 1).to(v_pool.dtype)
-    )
+    _write_kv(paged, module.layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1))
 
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     out = torch.empty_like(q)
+    if paged.decode_batch is not None:
+        assert paged.decode_kernel is not None
+        batch = paged.decode_batch
+        out.index_copy_(
+            0,
+            batch.token_idx,
+            paged.decode_kernel(
+                q.index_select(0, batch.token_idx),
+                k_pool,
+                v_pool,
+                batch.block_tables,
+                batch.seq_lens,
+                scaling if scaling is not None else q.shape[-1] ** -0.5,
+            ),
+        )
     for group in paged.decode_groups:
         rows = group.token_idx.numel()
         qd = q.index_select(0, group.token_idx)[:, :, None, :]  # [Rg, Hq, 1, D]
@@ -163,7 +240,10 @@ def paged_attention(
         out.index_copy_(0, group.token_idx, od[:, :, 0, :])
     for span in paged.prefills:
         qp = q[span.token_start : span.token_end].transpose(0, 1)[None]  # [1, Hq, n, D]
-        kp = _gather(k_pool, span.block_ids, 1)
+        if paged.keys_transposed:
+            kp = _gather_transposed(k_pool, span.block_ids)
+        else:
+            kp = _gather(k_pool, span.block_ids, 1)
         vp = _gather(v_pool, span.block_ids, 1)
         n = span.token_end - span.token_start
         context = span.context_start + n

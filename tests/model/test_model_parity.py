@@ -169,11 +169,15 @@ def test_prefix_caching_shared_prefixes(
     assert kv.prefix_cache_hits > 0
 
 
+@pytest.mark.parametrize("attention", ["auto", "torch"])
 @pytest.mark.parametrize("async_scheduling", ASYNC)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_everything_at_once(arch: str, async_scheduling: bool, tiny_models, hf_greedy) -> None:
+def test_everything_at_once(
+    arch: str, async_scheduling: bool, attention: str, tiny_models, hf_greedy
+) -> None:
     """Prefix caching, chunked prefill and preemption together, on shared-prefix prompts
-    mixed with the 16-request workload."""
+    mixed with the 16-request workload; with the compiled CPU decode kernel (auto) and
+    with torch SDPA for decodes."""
     model_dir = tiny_models[arch]
     llm = make_llm(
         model_dir,
@@ -182,7 +186,10 @@ def test_everything_at_once(arch: str, async_scheduling: bool, tiny_models, hf_g
         max_num_batched_tokens=16,
         num_kv_blocks=36,
         max_num_seqs=16,
+        attention=attention,
     )
+    uses_kernel = llm.engine.executor.worker.model.decode_kernel is not None
+    assert uses_kernel == (attention == "auto")
     warm, rest = prefix_workload()
     assert_parity(run_greedy(llm, warm), warm, model_dir, hf_greedy)
     workload = rest + mixed_workload()

@@ -1,0 +1,143 @@
+"""Compiled CPU kernels, built from `csrc/` with the system C++ compiler on first use.
+
+The shared library is cached under `$TANDEM_CACHE/kernels/`, keyed by the source, the
+flags, the compiler's version and the CPU (the build is `-march=native`), so a second
+start loads it without compiling. The kernels take raw pointers through `ctypes`; they
+share torch's OpenMP runtime (torch loads `libgomp.so.1` first, the library links the same
+soname). `-ffast-math` applies when compiling only: linking with it would switch the whole
+process to flush-denormals-to-zero.
+
+`paged_decode_kernel()` returns None, with one warning, when there is no compiler or the
+build fails; `TANDEM_CPU_KERNELS=0` turns the kernels off. Callers then use torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.core.model_files import cache_root
+
+logger = logging.getLogger("tandem.worker")
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
+LINK_FLAGS = ("-shared", "-fopenmp")
+PAGED_DECODE_ABI = 2
+
+
+def _cpu_identity() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    fields = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(fields)))
+
+
+def build_library(source: Path, compiler: str) -> Path:
+    """Compile `source` into a cached shared library and return its path."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    key = hashlib.sha256(
+        "\0".join(
+            [source.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version, _cpu_identity()]
+        ).encode()
+    ).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    obj = target.with_suffix(f".{os.getpid()}.o")
+    tmp = target.with_suffix(f".{os.getpid()}.so")
+    try:
+        for cmd in (
+            [compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
+            [compiler, *LINK_FLAGS, str(obj), "-o", str(tmp)],
+        ):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp, target)  # atomic: concurrent builders agree on the result
+    finally:
+        obj.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+@dataclass(frozen=True)
+class PagedDecodeKernel:
+    """`csrc/paged_decode.cpp`: decode attention reading the paged pools in place.
+
+    Key pools are laid out `[num_blocks, kv_heads, head_dim, block_size]`, value pools
+    `[num_blocks, block_size, kv_heads, head_dim]`; float32 CPU tensors, contiguous.
+    """
+
+    function: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [R, Hq, D]
+        key_pool: torch.Tensor,
+        value_pool: torch.Tensor,
+        block_tables: torch.Tensor,  # [R, max_blocks] int64
+        seq_lens: torch.Tensor,  # [R] int64
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention output `[R, Hq, D]` of each request's single query token."""
+        query = query.contiguous()
+        num_requests, q_heads, head_dim = query.shape
+        _, kv_heads, _, block_size = key_pool.shape
+        out = torch.empty_like(query)
+        if num_requests:
+            self.function(
+                query.data_ptr(),
+                key_pool.data_ptr(),
+                value_pool.data_ptr(),
+                block_tables.data_ptr(),
+                seq_lens.data_ptr(),
+                out.data_ptr(),
+                num_requests,
+                q_heads,
+                kv_heads,
+                head_dim,
+                block_size,
+                block_tables.shape[1],
+                scale,
+                torch.get_num_threads(),
+            )
+        return out
+
+
+@functools.cache
+def paged_decode_kernel() -> PagedDecodeKernel | None:
+    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if compiler is None:
+        logger.warning("no C++ compiler found: CPU decode attention runs on torch SDPA")
+        return None
+    try:
+        library = ctypes.CDLL(str(build_library(CSRC / "paged_decode.cpp", compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("CPU decode kernel unavailable, using torch SDPA: %s", exc)
+        return None
+    if library.tandem_paged_decode_abi_version() != PAGED_DECODE_ABI:
+        logger.warning("CPU decode kernel ABI mismatch, using torch SDPA")
+        return None
+    fn = library.tandem_paged_decode_f32
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
+    fn.restype = None
+    return PagedDecodeKernel(fn)

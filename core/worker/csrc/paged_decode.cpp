@@ -1,0 +1,183 @@
+// Decode attention over paged KV pools: one query token per request, read in place.
+//
+// k_pool: [num_blocks, kv_heads, head_dim, block_size] float32 (keys transposed per block,
+//         so a block's scores are head_dim vector FMAs across its tokens, no reductions).
+// v_pool: [num_blocks, block_size, kv_heads, head_dim] float32.
+// q, out: [num_requests, q_heads, head_dim] float32.
+// block_tables: [num_requests, max_blocks] int64; seq_lens: [num_requests] int64 (keys to
+//         attend, the new token's included; its K/V are already written).
+// All tensors contiguous.
+//
+// Work item = (request, kv head): the q_heads / kv_heads query heads of a GQA group share
+// one pass over the group's keys, a softmax, and one pass over its values. Each key and
+// value is read once; nothing is gathered or copied. Common shapes (head_dim 64 or 128,
+// block_size 16, up to 8 query heads per KV head) are compiled with those sizes fixed so
+// the accumulators live in registers; other shapes take the generic loop.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+struct Problem {
+  const float* q;
+  const float* k_pool;
+  const float* v_pool;
+  const int64_t* block_tables;
+  const int64_t* seq_lens;
+  float* out;
+  int64_t q_heads, kv_heads, head_dim, block_size, max_blocks;
+  float scale;
+};
+
+constexpr int64_t kPrefetchBlocks = 4;
+
+// 16 floats; GCC vector extensions, so any target compiles it (one AVX-512 register, two
+// AVX2 ones, or four SSE ones).
+constexpr int kLanes = 16;
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Vec load(const float* p) {
+  Vec v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+void prefetch_block(const float* p, int64_t floats) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < floats * 4; off += 64) __builtin_prefetch(c + off);
+}
+
+// Normalised softmax of s[0..len) in place.
+void softmax(float* s, int64_t len) {
+  float peak = s[0];
+  for (int64_t t = 1; t < len; ++t) peak = std::max(peak, s[t]);
+  float total = 0.f;
+  for (int64_t t = 0; t < len; ++t) {
+    s[t] = std::exp(s[t] - peak);
+    total += s[t];
+  }
+  const float inv = 1.f / total;
+  for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+}
+
+// One (request, kv head) item; D, BS, G > 0 are compile-time sizes, 0 means "read from p".
+template <int D_, int BS_, int G_>
+void decode_item(const Problem& p, int64_t r, int64_t h, float* scores, int64_t padded) {
+  const int64_t D = D_ ? D_ : p.head_dim;
+  const int64_t BS = BS_ ? BS_ : p.block_size;
+  const int64_t G = G_ ? G_ : p.q_heads / p.kv_heads;
+  const int64_t len = p.seq_lens[r];
+  const int64_t num_blocks = (len + BS - 1) / BS;
+  const int64_t* table = p.block_tables + r * p.max_blocks;
+  const float* qg = p.q + (r * p.q_heads + h * G) * D;
+  const int64_t v_row = p.kv_heads * D;
+
+  for (int64_t b = 0; b < std::min<int64_t>(kPrefetchBlocks, num_blocks); ++b)
+    prefetch_block(p.k_pool + (table[b] * p.kv_heads + h) * D * BS, D * BS);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const float* kt = p.k_pool + (table[b] * p.kv_heads + h) * D * BS;
+    // The pages are scattered, so the hardware prefetcher cannot run ahead: fetch the keys a
+    // few blocks ahead, and this block's values for the second pass.
+    if (b + kPrefetchBlocks < num_blocks)
+      prefetch_block(p.k_pool + (table[b + kPrefetchBlocks] * p.kv_heads + h) * D * BS, D * BS);
+    for (int64_t row = 0; row < BS; ++row)
+      prefetch_block(p.v_pool + (table[b] * BS + row) * v_row + h * D, D);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qv = qg + g * D;
+      float* s = scores + g * padded + b * BS;
+      if constexpr (BS_ == kLanes) {  // one vector of scores; four chains hide FMA latency
+        Vec acc[4] = {};
+        for (int64_t d = 0; d < D; d += 4)
+          for (int c = 0; c < 4; ++c) acc[c] += (qv[d + c] * p.scale) * load(kt + (d + c) * BS_);
+        store(s, (acc[0] + acc[1]) + (acc[2] + acc[3]));
+      } else {
+        std::fill(s, s + BS, 0.f);
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = qv[d] * p.scale;
+          for (int64_t t = 0; t < BS; ++t) s[t] += qd * kt[d * BS + t];
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) softmax(scores + g * padded, len);
+
+  float* o = p.out + (r * p.q_heads + h * G) * D;
+  if constexpr (D_ > 0 && G_ > 0 && D_ % kLanes == 0) {
+    constexpr int kChunks = D_ / kLanes;
+    Vec acc[G_][kChunks] = {};
+    for (int64_t t = 0; t < len; ++t) {
+      const float* v = p.v_pool + (table[t / BS] * BS + t % BS) * v_row + h * D;
+      Vec row[kChunks];
+      for (int c = 0; c < kChunks; ++c) row[c] = load(v + c * kLanes);
+      for (int g = 0; g < G_; ++g) {
+        const float w = scores[g * padded + t];
+        for (int c = 0; c < kChunks; ++c) acc[g][c] += w * row[c];
+      }
+    }
+    for (int g = 0; g < G_; ++g)
+      for (int c = 0; c < kChunks; ++c) store(o + g * D_ + c * kLanes, acc[g][c]);
+  } else {
+    std::fill(o, o + G * D, 0.f);
+    for (int64_t t = 0; t < len; ++t) {
+      const float* v = p.v_pool + (table[t / BS] * BS + t % BS) * v_row + h * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float w = scores[g * padded + t];
+        for (int64_t d = 0; d < D; ++d) o[g * D + d] += w * v[d];
+      }
+    }
+  }
+}
+
+using ItemFn = void (*)(const Problem&, int64_t, int64_t, float*, int64_t);
+
+template <int D, int BS>
+ItemFn pick_group(int64_t g) {
+  switch (g) {
+    case 1: return decode_item<D, BS, 1>;
+    case 2: return decode_item<D, BS, 2>;
+    case 3: return decode_item<D, BS, 3>;
+    case 4: return decode_item<D, BS, 4>;
+    case 5: return decode_item<D, BS, 5>;
+    case 6: return decode_item<D, BS, 6>;
+    case 7: return decode_item<D, BS, 7>;
+    case 8: return decode_item<D, BS, 8>;
+    default: return decode_item<0, 0, 0>;
+  }
+}
+
+ItemFn pick(int64_t head_dim, int64_t block_size, int64_t group) {
+  if (block_size == 16 && head_dim == 64) return pick_group<64, 16>(group);
+  if (block_size == 16 && head_dim == 128) return pick_group<128, 16>(group);
+  return decode_item<0, 0, 0>;
+}
+
+}  // namespace
+
+extern "C" int tandem_paged_decode_abi_version() { return 2; }
+
+extern "C" void tandem_paged_decode_f32(const float* q, const float* k_pool, const float* v_pool,
+                                        const int64_t* block_tables, const int64_t* seq_lens,
+                                        float* out, int64_t num_requests, int64_t q_heads,
+                                        int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                                        int64_t max_blocks, float scale, int num_threads) {
+  const Problem p{q,        k_pool,   v_pool,     block_tables, seq_lens, out,  q_heads,
+                  kv_heads, head_dim, block_size, max_blocks,   scale};
+  const int64_t group = q_heads / kv_heads;
+  const ItemFn item_fn = pick(head_dim, block_size, group);
+  int64_t longest = 0;
+  for (int64_t r = 0; r < num_requests; ++r) longest = std::max(longest, seq_lens[r]);
+  const int64_t padded = (longest + block_size - 1) / block_size * block_size;
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> scores(group * padded);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_requests * kv_heads; ++item)
+      item_fn(p, item / kv_heads, item % kv_heads, scores.data(), padded);
+  }
+}

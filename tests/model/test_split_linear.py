@@ -1,0 +1,38 @@
+"""`split_linear` equals `F.linear` (up to summation order) on every path it takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.core.worker.split_linear import SPLIT_MAX_ROWS, split_linear
+
+
+@pytest.fixture
+def two_threads():  # noqa: ANN201
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, SPLIT_MAX_ROWS, SPLIT_MAX_ROWS + 1])
+@pytest.mark.parametrize("out_features", [96, 97])  # 97: two threads do not divide it
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_f_linear(rows: int, out_features: int, with_bias: bool, two_threads) -> None:
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    x = torch.randn(rows, 48, generator=gen)
+    weight = torch.randn(out_features, 48, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    got = split_linear(x, weight, bias)
+    assert got.shape == (rows, out_features)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+def test_split_rows_land_in_the_right_columns(two_threads) -> None:
+    """A weight whose halves differ: a transposed split would swap output columns."""
+    weight = torch.cat([torch.eye(4), 2 * torch.eye(4)])  # [8, 4]
+    x = torch.arange(8, dtype=torch.float32).view(2, 4)
+    expected = torch.cat([x, 2 * x], dim=1)
+    torch.testing.assert_close(split_linear(x, weight), expected)

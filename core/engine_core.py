@@ -22,7 +22,7 @@ import torch
 from tandem.core.config import EngineConfig
 from tandem.core.executor import Executor, make_executor
 from tandem.core.invariants import check_invariants
-from tandem.core.model_runner_output import ModelRunnerOutput
+from tandem.core.model_runner_output import ModelRunnerOutput, resolve_output
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.plugin_manager import TandemPluginManager
 from tandem.core.request import Request, RequestStatus
@@ -159,7 +159,7 @@ class EngineCore:
 
         with self._span("wait"):
             exec_future.result()
-            model_output = future.result()
+            model_output = resolve_output(future.result())
         outputs += self._process_aborts_queue()
         with self._span("update"):
             outputs += self._update_from_output(scheduler_output, model_output)
@@ -191,7 +191,7 @@ class EngineCore:
             future, scheduler_output, exec_future = batch_queue.pop()
             with self._span("wait"):
                 exec_future.result()
-                model_output = future.result()
+                model_output = resolve_output(future.result())
             outputs += self._process_aborts_queue()
             with self._span("update"):
                 outputs += self._update_from_output(scheduler_output, model_output)

@@ -36,3 +36,83 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[dict[int, tuple[float, int]]] | None] | None = None
     draft_token_ids: dict[str, list[int]] | None = None
+
+
+def logprobs_per_request(
+    num_reqs: int,
+    sample_req_indices: list[int],
+    num_draft_tokens: list[int],
+    num_top_logprobs: list[int | None],
+    sampled_rows: list[list[int]],
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> list[list[dict[int, tuple[float, int]]] | None]:
+    """For each sampling request that asked (`num_top_logprobs` not None, one entry per
+    sampling request): one {token: (logprob, rank)} per new token, the sampled token first,
+    then the top-N of that position."""
+    token_ids, values, ranks = (t.tolist() for t in logprobs)
+    out: list[list[dict[int, tuple[float, int]]] | None] = [None] * num_reqs
+    row = 0
+    for r, k, num_top in zip(sample_req_indices, num_draft_tokens, num_top_logprobs, strict=True):
+        if num_top is not None:
+            entries = []
+            for j in range(len(sampled_rows[r])):
+                ids, lps = token_ids[row + j], values[row + j]
+                entry = {ids[0]: (lps[0], ranks[row + j])}
+                for rank, (tid, lp) in enumerate(
+                    zip(ids[1 : 1 + num_top], lps[1 : 1 + num_top], strict=True), 1
+                ):
+                    entry.setdefault(tid, (lp, rank))
+                entries.append(entry)
+            out[r] = entries
+        row += k + 1
+    return out
+
+
+@dataclass(slots=True)
+class AsyncModelRunnerOutput:
+    """One step's results under async scheduling, before the device-to-host copy is waited on.
+
+    The worker returns it from `sample_tokens` right after starting the copy of the sampled
+    ids (and logprobs) to host memory (on CUDA: on a separate copy stream, `copy_done`
+    recorded after it). `get_output()` waits for that copy and builds the
+    `ModelRunnerOutput`; the engine calls it when it collects the step, so the worker never
+    blocks on the copy before running the next step. Host tensors are never reused, so
+    nothing can overwrite them before `get_output()` reads them.
+    """
+
+    req_ids: list[str]
+    sample_req_indices: list[int]
+    num_top_logprobs: list[int | None]
+    sampled_token_ids: torch.Tensor  # host [num_sampling_requests, 1], possibly in flight
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    copy_done: torch.cuda.Event | None = None
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self.copy_done is not None:
+            self.copy_done.synchronize()
+        sampled_rows: list[list[int]] = [[] for _ in self.req_ids]
+        for r, token in zip(
+            self.sample_req_indices, self.sampled_token_ids[:, 0].tolist(), strict=True
+        ):
+            sampled_rows[r] = [token]
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = logprobs_per_request(
+                len(self.req_ids),
+                self.sample_req_indices,
+                [0] * len(self.sample_req_indices),
+                self.num_top_logprobs,
+                sampled_rows,
+                self.logprobs,
+            )
+        return ModelRunnerOutput(
+            req_ids=self.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
+            sampled_token_ids=sampled_rows,
+            logprobs=logprobs,
+        )
+
+
+def resolve_output(output: ModelRunnerOutput | AsyncModelRunnerOutput) -> ModelRunnerOutput:
+    """The host-side result of a step, waiting for its device-to-host copy if needed."""
+    return output.get_output() if isinstance(output, AsyncModelRunnerOutput) else output

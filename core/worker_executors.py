@@ -21,7 +21,7 @@ import torch
 
 from tandem.core.config import EngineConfig
 from tandem.core.executor import Executor
-from tandem.core.model_runner_output import ModelRunnerOutput
+from tandem.core.model_runner_output import ModelRunnerOutput, resolve_output
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.worker import Worker
 
@@ -64,8 +64,8 @@ def _worker_main(config: EngineConfig, conn: Connection) -> None:
         try:
             if kind == "execute":
                 result: Any = worker.execute_model(payload)
-            else:
-                result = worker.sample_tokens(payload)
+            else:  # only host data crosses the pipe: wait for the copy here
+                result = resolve_output(worker.sample_tokens(payload))
             conn.send(("ok", result))
         except BaseException:
             conn.send(("error", traceback.format_exc()))

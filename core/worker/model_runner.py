@@ -14,7 +14,12 @@ from typing import Protocol
 
 import torch
 
-from tandem.core.model_runner_output import ModelRunnerOutput
+from tandem.core.model_runner_output import (
+    AsyncModelRunnerOutput,
+    ModelRunnerOutput,
+    SamplerOutput,
+    logprobs_per_request,
+)
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.draft_context import DraftContext
@@ -63,22 +68,52 @@ class ModelRunner:
     Contract: `execute_model(s)` then `sample_tokens(bitmask)` for the same step, in step
     order. Sampling may be deferred (called after the next step's `execute_model`), so the
     pending logits of each executed step are kept in a FIFO.
+
+    Under async scheduling without a drafter, sampled ids stay on the device: the runner's
+    history gets a `-1` placeholder per sampled token, the next step's input ids for those
+    positions are copied on the device from `prev_sampled_token_ids` (one slice copy when
+    the batch kept its order, an index scatter otherwise), and `sample_tokens` returns an
+    `AsyncModelRunnerOutput` whose `get_output()` waits for the host copy.
+    `update_async_output_token_ids()` replaces the placeholders with the real ids: at
+    sampling when penalties or bad words need the history, otherwise once the step after
+    has been sampled (the copy is long finished by then).
     """
 
     def __init__(
-        self, model: StepModel, hooks: HookCaller, block_size: int, num_spec_tokens: int
+        self,
+        model: StepModel,
+        hooks: HookCaller,
+        block_size: int,
+        num_spec_tokens: int,
+        async_scheduling: bool = False,
     ) -> None:
         self.model = model
         self.hooks = hooks
         self.block_size = block_size
         self.num_spec_tokens = num_spec_tokens
+        #: Sampled ids stay on the device between steps (no drafter: drafters read them).
+        self.device_resident_outputs = async_scheduling and num_spec_tokens == 0
+        #: The last step's sampled ids `[num_sampling_requests, 1]` on the device, and each
+        #: request's row in it; the next step's inputs are filled from it on the device.
+        self.prev_sampled_token_ids: torch.Tensor | None = None
+        self.prev_req_id_to_index: dict[str, int] = {}
+        self._prev_host: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self._copy_stream = (
+            torch.cuda.Stream(model.device)
+            if self.device_resident_outputs and model.device.type == "cuda"
+            else None
+        )
         self.requests: dict[str, RunnerRequestState] = {}
         self.input_batch = InputBatch(max_num_reqs=64)
         self._pending: list[tuple[SchedulerOutput, FlatBatch, torch.Tensor]] = []
+        #: The drafter's last proposal per request. Under async scheduling the scheduler
+        #: schedules `-1` draft placeholders and the real drafts never leave the worker.
+        self.drafts: dict[str, list[int]] = {}
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             self.requests.pop(req_id, None)
+            self.drafts.pop(req_id, None)
             self.input_batch.remove(req_id)
         for new in so.scheduled_new_reqs:
             self.input_batch.add(new.req_id, new.sampling_params)
@@ -107,13 +142,71 @@ class ModelRunner:
             token_ids=[s.token_ids for s in states],
             num_computed=[s.num_computed_tokens for s in states],
             num_scheduled=[so.num_scheduled_tokens[r] for r in req_ids],
-            drafts=[so.scheduled_spec_decode_tokens.get(r, []) for r in req_ids],
+            drafts=[self._scheduled_drafts(so, r) for r in req_ids],
             block_ids=[s.block_ids for s in states],
             block_size=self.block_size,
             device=self.model.device,
         )
+        if self.prev_sampled_token_ids is not None:
+            self._fill_sampled_inputs(batch, states)
         logits = self.model.forward(batch) if batch.num_tokens else torch.zeros(0, 1)
         self._pending.append((so, batch, logits))
+
+    def _fill_sampled_inputs(self, batch: FlatBatch, states: list[RunnerRequestState]) -> None:
+        """Write the previous step's sampled ids, still on the device, into this step's
+        input ids where the history holds their `-1` placeholders."""
+        assert self.prev_sampled_token_ids is not None
+        flat: list[int] = []
+        prev: list[int] = []
+        starts = batch.query_start_loc.tolist()
+        for r, state in enumerate(states):
+            index = self.prev_req_id_to_index.get(state.req_id)
+            if index is None or not state.token_ids or state.token_ids[-1] != -1:
+                continue
+            offset = len(state.token_ids) - 1 - state.num_computed_tokens
+            if 0 <= offset < starts[r + 1] - starts[r]:
+                flat.append(starts[r] + offset)
+                prev.append(index)
+        if not flat:
+            return
+        n = len(flat)
+        source = self.prev_sampled_token_ids[:, 0]
+        if flat == list(range(n)) and prev == list(range(n)):
+            batch.input_ids[:n].copy_(source[:n], non_blocking=True)  # unchanged batch
+            return
+        device = batch.input_ids.device
+        batch.input_ids.index_copy_(
+            0,
+            torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True),
+            source.index_select(0, torch.tensor(prev, dtype=torch.int64).to(device)),
+        )
+
+    def update_async_output_token_ids(self) -> None:
+        """Replace the last step's `-1` placeholders in the histories with the sampled ids,
+        waiting for their host copy. A request preempted or finished since keeps no
+        placeholder (it was removed, or re-added with real tokens) and is skipped."""
+        if self._prev_host is None:
+            return
+        host, copy_done = self._prev_host
+        self._prev_host = None
+        if copy_done is not None:
+            copy_done.synchronize()
+        sampled = host[:, 0].tolist()
+        for req_id, index in self.prev_req_id_to_index.items():
+            state = self.requests.get(req_id)
+            if state is not None and state.token_ids and state.token_ids[-1] == -1:
+                state.token_ids[-1] = sampled[index]
+
+    def _scheduled_drafts(self, so: SchedulerOutput, req_id: str) -> list[int]:
+        """The draft tokens to verify for `req_id`: the scheduler's, or, where it scheduled
+        `-1` placeholders (async), this worker's last proposal. A proposal shorter than the
+        scheduled count is padded with token 0; verification accepts a draft only when it
+        equals the target's own token, so padding never changes the output."""
+        scheduled = so.scheduled_spec_decode_tokens.get(req_id, [])
+        if not scheduled or scheduled[0] >= 0:
+            return list(scheduled)
+        real = self.drafts.get(req_id, [])[: len(scheduled)]
+        return real + [0] * (len(scheduled) - len(real))
 
     def _sampling_metadata(
         self, batch: FlatBatch, grammar_bitmask: torch.Tensor | None
@@ -128,6 +221,8 @@ class ModelRunner:
             or st.sampling_params.repetition_penalty != 1.0
             for st in states
         )
+        if need_history or any(st.sampling_params.bad_words_token_ids for st in states):
+            self.update_async_output_token_ids()
         asked = [
             st.sampling_params.logprobs for st in states if st.sampling_params.logprobs is not None
         ]
@@ -201,10 +296,11 @@ class ModelRunner:
                     blocked.append(word[-1])
         return blocked
 
-    def sample_tokens(self, grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
+    def sample_tokens(
+        self, grammar_bitmask: torch.Tensor | None = None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         so, batch, logits = self._pending.pop(0)
-        sampled_rows: list[list[int]] = [[] for _ in batch.req_ids]
-        logprobs: list[list[dict[int, tuple[float, int]]] | None] | None = None
+        result: SamplerOutput | None = None
         if batch.sample_req_indices:
             metadata = self._sampling_metadata(batch, grammar_bitmask)
             with torch.inference_mode():  # logits may be inference tensors; samplers write in place
@@ -213,13 +309,29 @@ class ModelRunner:
                 raise RuntimeError(
                     "no plugin answered the `sample` hook: the stack needs a sampler"
                 )
+        num_top = [
+            self.requests[batch.req_ids[r]].sampling_params.logprobs
+            for r in batch.sample_req_indices
+        ]
+        if self.device_resident_outputs:
+            return self._keep_on_device(batch, result, num_top)
+        sampled_rows: list[list[int]] = [[] for _ in batch.req_ids]
+        logprobs: list[list[dict[int, tuple[float, int]]] | None] | None = None
+        if result is not None:
             rows = result.sampled_token_ids.tolist()
             for r, row in zip(batch.sample_req_indices, rows, strict=True):
                 tokens = [t for t in row if t >= 0]
                 sampled_rows[r] = tokens
                 self.requests[batch.req_ids[r]].token_ids.extend(tokens)
             if result.logprobs is not None:
-                logprobs = self._logprobs_per_request(batch, sampled_rows, result.logprobs)
+                logprobs = logprobs_per_request(
+                    len(batch.req_ids),
+                    batch.sample_req_indices,
+                    batch.num_draft_tokens,
+                    num_top,
+                    sampled_rows,
+                    result.logprobs,
+                )
         drafts = self._propose_drafts(batch, sampled_rows)
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
@@ -229,32 +341,46 @@ class ModelRunner:
             draft_token_ids=drafts,
         )
 
-    def _logprobs_per_request(
-        self,
-        batch: FlatBatch,
-        sampled_rows: list[list[int]],
-        logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    ) -> list[list[dict[int, tuple[float, int]]] | None]:
-        """For each request that asked: one {token: (logprob, rank)} per new token, the
-        sampled token first, then the top-N of that position."""
-        token_ids, values, ranks = (t.tolist() for t in logprobs)
-        out: list[list[dict[int, tuple[float, int]]] | None] = [None] * len(batch.req_ids)
-        row = 0
-        for r, k in zip(batch.sample_req_indices, batch.num_draft_tokens, strict=True):
-            num_top = self.requests[batch.req_ids[r]].sampling_params.logprobs
-            if num_top is not None:
-                entries = []
-                for j in range(len(sampled_rows[r])):
-                    ids, lps = token_ids[row + j], values[row + j]
-                    entry = {ids[0]: (lps[0], ranks[row + j])}
-                    for rank, (tid, lp) in enumerate(
-                        zip(ids[1 : 1 + num_top], lps[1 : 1 + num_top], strict=True), 1
-                    ):
-                        entry.setdefault(tid, (lp, rank))
-                    entries.append(entry)
-                out[r] = entries
-            row += k + 1
-        return out
+    def _keep_on_device(
+        self, batch: FlatBatch, result: SamplerOutput | None, num_top: list[int | None]
+    ) -> AsyncModelRunnerOutput:
+        """Async path: start the host copy, append `-1` placeholders, keep the ids on the
+        device for the next step's inputs."""
+        self.update_async_output_token_ids()  # the step before: its copy is long done
+        device = self.model.device
+        sampled = (
+            result.sampled_token_ids[:, :1]
+            if result is not None
+            else torch.zeros(0, 1, dtype=torch.int64, device=device)
+        )
+        logprobs = result.logprobs if result is not None else None
+        copy_done: torch.cuda.Event | None = None
+        if self._copy_stream is not None:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self._copy_stream):
+                host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+                host.copy_(sampled, non_blocking=True)
+                if logprobs is not None:
+                    logprobs = tuple(t.to("cpu", non_blocking=True) for t in logprobs)  # type: ignore[assignment]
+                copy_done = torch.cuda.Event()
+                copy_done.record(self._copy_stream)
+        else:
+            host = sampled.to("cpu", copy=True)
+        for r in batch.sample_req_indices:
+            self.requests[batch.req_ids[r]].token_ids.append(-1)
+        self.prev_sampled_token_ids = sampled
+        self.prev_req_id_to_index = {
+            batch.req_ids[r]: i for i, r in enumerate(batch.sample_req_indices)
+        }
+        self._prev_host = (host, copy_done)
+        return AsyncModelRunnerOutput(
+            req_ids=batch.req_ids,
+            sample_req_indices=batch.sample_req_indices,
+            num_top_logprobs=num_top,
+            sampled_token_ids=host,
+            logprobs=logprobs,
+            copy_done=copy_done,
+        )
 
     def _propose_drafts(
         self, batch: FlatBatch, sampled_rows: list[list[int]]
@@ -271,4 +397,8 @@ class ModelRunner:
         proposed = self.hooks.propose_drafts(context=context)
         if proposed is None:
             return {}
-        return {r: list(d[: self.num_spec_tokens]) for r, d in zip(req_ids, proposed, strict=True)}
+        drafts = {
+            r: list(d[: self.num_spec_tokens]) for r, d in zip(req_ids, proposed, strict=True)
+        }
+        self.drafts.update(drafts)
+        return drafts

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tandem.core.config import EngineConfig
-from tandem.core.model_runner_output import ModelRunnerOutput
+from tandem.core.model_runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 from tandem.core.plugin_manager import TandemPluginManager
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.model_loader import load_step_model
@@ -26,10 +26,15 @@ class Worker:
             hooks=self.plugin_manager.hook,
             block_size=config.cache.block_size,
             num_spec_tokens=config.num_spec_tokens,
+            async_scheduling=bool(config.scheduler.async_scheduling),
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self.model_runner.execute_model(scheduler_output)
 
-    def sample_tokens(self, grammar_bitmask: torch.Tensor | None) -> ModelRunnerOutput:
+    def sample_tokens(
+        self, grammar_bitmask: torch.Tensor | None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """The step's output; under async scheduling possibly still being copied to the
+        host (the engine resolves it with `resolve_output`)."""
         return self.model_runner.sample_tokens(grammar_bitmask)

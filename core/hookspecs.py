@@ -101,9 +101,11 @@ class EngineHookSpecs:
         Caller: the kernel, before it asks the worker to sample that step; one step later
         when `pending_structured_output_tokens` is set (then the previous step's tokens are
         already applied). First result wins. Returns int32 `[num_rows, ceil(vocab/32)]`
-        with one row per sampled position of each request in
-        `scheduler_output.structured_output_request_ids` (spec positions included); a
-        backend fills draft rows by accepting drafts and must roll its matcher back after.
+        (bit `t % 32` of word `t // 32` set when token t is allowed) with `1 + drafts`
+        rows for each request of `scheduler_output.structured_output_request_ids`, in that
+        order (a request whose chunk does not sample still has its rows; they are
+        ignored); a backend fills draft rows by accepting drafts and must roll its matcher
+        back after. The runner places the rows at the batch's sampled rows.
         """
 
     @hookspec

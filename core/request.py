@@ -83,6 +83,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.structured_outputs is not None:
+            self.use_structured_output = True
 
     # Derived counters ------------------------------------------------------------
     @property

@@ -92,6 +92,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_spec_tokens = num_spec_tokens
         #: Sampled ids stay on the device between steps (no drafter: drafters read them).
+        self.async_scheduling = async_scheduling
         self.device_resident_outputs = async_scheduling and num_spec_tokens == 0
         #: The last step's sampled ids `[num_sampling_requests, 1]` on the device, and each
         #: request's row in it; the next step's inputs are filled from it on the device.
@@ -129,7 +130,10 @@ class ModelRunner:
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            # Under async the scheduler planned this step before it learned how many drafts
+            # of the step in flight were rejected, so its count may run ahead of the tokens
+            # this worker knows: every known token but the last has its KV written.
+            state.num_computed_tokens = min(cached.num_computed_tokens, len(state.token_ids) - 1)
 
     def execute_model(self, so: SchedulerOutput) -> None:
         self._update_states(so)
@@ -302,6 +306,8 @@ class ModelRunner:
         so, batch, logits = self._pending.pop(0)
         result: SamplerOutput | None = None
         if batch.sample_req_indices:
+            if grammar_bitmask is not None:
+                grammar_bitmask = self._expand_grammar_bitmask(so, batch, grammar_bitmask)
             metadata = self._sampling_metadata(batch, grammar_bitmask)
             with torch.inference_mode():  # logits may be inference tensors; samplers write in place
                 result = self.hooks.sample(logits=logits, metadata=metadata)
@@ -338,8 +344,41 @@ class ModelRunner:
             req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
             sampled_token_ids=sampled_rows,
             logprobs=logprobs,
-            draft_token_ids=drafts,
+            # Under async the scheduler keeps `-1` draft placeholders; the drafts stay here.
+            draft_token_ids=None if self.async_scheduling else drafts,
         )
+
+    def _expand_grammar_bitmask(
+        self, so: SchedulerOutput, batch: FlatBatch, bitmask: torch.Tensor
+    ) -> torch.Tensor:
+        """The grammar backend's rows (1 + drafts per request of
+        `so.structured_output_request_ids`, in that order) placed at this batch's sampled
+        rows; unconstrained rows allow every token (all bits set)."""
+        start: dict[str, int] = {}
+        row = 0
+        for req_id in so.structured_output_request_ids:
+            start[req_id] = row
+            row += 1 + len(so.scheduled_spec_decode_tokens.get(req_id, ()))
+        if bitmask.shape[0] != row:
+            raise ValueError(
+                f"grammar_bitmask: {bitmask.shape[0]} rows, expected {row} (1 + drafts for "
+                "each request of structured_output_request_ids)"
+            )
+        source: list[int] = []
+        target: list[int] = []
+        out_row = 0
+        for r, k in zip(batch.sample_req_indices, batch.num_draft_tokens, strict=True):
+            first = start.get(batch.req_ids[r])
+            if first is not None:
+                source.extend(range(first, first + k + 1))
+                target.extend(range(out_row, out_row + k + 1))
+            out_row += k + 1
+        full = torch.full((out_row, bitmask.shape[1]), -1, dtype=torch.int32, device=bitmask.device)
+        if source:
+            full[torch.tensor(target, device=bitmask.device)] = bitmask[
+                torch.tensor(source, device=bitmask.device)
+            ]
+        return full.to(self.model.device)
 
     def _keep_on_device(
         self, batch: FlatBatch, result: SamplerOutput | None, num_top: list[int | None]

@@ -22,7 +22,12 @@ actually happened, not only that the outputs are right:
 6. Sync and async give identical outputs on a mixed drafting workload, and every verify
    step accepts exactly the drafts the drafter got right (the drafts are fresh).
 
-Two further tests pin the engine bugs the async cases hit (see `ASYNC_DRAFTS_BUG`).
+Every engine checks the ledger and KV invariants after each step (`check_invariants`), so a
+placeholder or stale-count underflow anywhere fails the test. Scenarios 2-4 also run sync.
+Two further tests pin bugs these scenarios found (fixed): the worker must start a verify
+step at its real history although the scheduler planned it before the in-flight step's
+rejections were known, and under async the scheduler must only ever schedule `-1` draft
+placeholders (the worker keeps the real drafts).
 """
 
 from __future__ import annotations
@@ -53,20 +58,9 @@ VOCAB = 128
 EOS = 1
 K = 3  # drafts per verify step
 
-#: The engine bug every async drafting scenario runs into (core/worker/model_runner.py).
-ASYNC_DRAFTS_BUG = (
-    "async + drafts: the worker builds a verify step from the scheduler's optimistic "
-    "num_computed_tokens, which still counts the drafts of the step in flight that were "
-    "rejected, so inputs start past the worker's known tokens (IndexError in write_kv or "
-    "misplaced positions); and the scheduler re-sends the previous step's real drafts, "
-    "which the worker verifies at the wrong positions"
-)
-async_drafts_xfail = pytest.mark.xfail(
-    strict=True, raises=(AssertionError, IndexError), reason=ASYNC_DRAFTS_BUG
-)
 SYNC_AND_ASYNC = [
     pytest.param(False, id="sync"),
-    pytest.param(True, id="async", marks=async_drafts_xfail),
+    pytest.param(True, id="async"),
 ]
 
 
@@ -292,7 +286,6 @@ def prompt_of(seed: int, length: int) -> list[int]:
 # 1. Preemption with four tokens in flight ------------------------------------------------------
 
 
-@async_drafts_xfail
 def test_preempted_request_with_four_tokens_in_flight() -> None:
     """The spec's worked example: R is scheduled at step t with 1 sampled + 3 draft tokens
     (4 placeholders); at step t+1's scheduling the KV pool is full and R is preempted:
@@ -333,6 +326,7 @@ def test_preempted_request_with_four_tokens_in_flight() -> None:
 
     t = recorder.event("scheduled", 3)
     assert t.num_scheduled_tokens["R"] == 1 + K and len(t.spec_tokens["R"]) == K
+    assert r.num_output_placeholders == 4 and r.num_in_flight_tokens == 4  # between steps
     assert t.ledgers["R"] == Ledger(
         status=RequestStatus.RUNNING,
         num_tokens=len(r_prompt) + 1,
@@ -359,7 +353,7 @@ def test_preempted_request_with_four_tokens_in_flight() -> None:
     # Step 3's result came back with R's tokens and was dropped as stale.
     before, after = recorder.event("before", 3), recorder.event("after", 3)
     assert before.ledgers["R"].num_stale_output_tokens == 4
-    assert len(before.sampled["R"]) >= 1
+    assert len(before.sampled["R"]) == 2  # R's accepted draft and the correction, dropped
     assert after.ledgers["R"] == Ledger(
         status=RequestStatus.PREEMPTED,
         num_tokens=len(r_prompt) + 1,
@@ -369,6 +363,7 @@ def test_preempted_request_with_four_tokens_in_flight() -> None:
         num_stale_output_tokens=0,
     )
     assert not [o for o in step_outputs if o.request_id == "R"]
+    assert Ledger.of(r) == after.ledgers["R"]  # and so it stays between steps
     # Counted verify steps: A's in steps 2 and 3; R's stale verify in step 3 is not.
     assert sched.spec_metrics.num_steps == 2
 
@@ -400,11 +395,12 @@ def test_rejected_drafts_roll_back_computed_tokens_and_placeholders(
     outputs = Outputs()
     outputs.drain(engine)
 
-    verifies = [
+    counted = [
         (before, after)
         for before, after in recorder.updates()
-        if "R" in recorder.event("scheduled", before.step_id).spec_tokens and "R" in after.ledgers
+        if "R" in recorder.event("scheduled", before.step_id).spec_tokens and "R" in before.ledgers
     ]
+    verifies = [(before, after) for before, after in counted if "R" in after.ledgers]
     assert len(verifies) >= 4
     for before, after in verifies:
         drafts = recorder.event("scheduled", before.step_id).spec_tokens["R"]
@@ -422,7 +418,7 @@ def test_rejected_drafts_roll_back_computed_tokens_and_placeholders(
             # Sync: the rollback leaves exactly the last sampled token uncomputed.
             assert a.num_computed_tokens == a.num_tokens - 1
     metrics = sched.spec_metrics
-    assert metrics.num_steps >= len(verifies)
+    assert metrics.num_steps == len(counted)
     assert metrics.num_draft_tokens == K * metrics.num_steps
     assert metrics.num_accepted_tokens == metrics.num_steps
     assert metrics.accepted_per_position == [metrics.num_steps, 0, 0]
@@ -466,7 +462,10 @@ def test_request_is_not_scheduled_past_max_tokens_with_drafts(async_scheduling: 
             if event.kind != "scheduled" or rid not in event.ledgers:
                 continue
             confirmed = event.ledgers[rid].num_tokens - len(prompt)
-            in_flight = sum(rid in e.num_scheduled_tokens for e in recorder.in_flight_at_scheduling(event.step_id))
+            in_flight = sum(
+                rid in e.num_scheduled_tokens
+                for e in recorder.in_flight_at_scheduling(event.step_id)
+            )
             sure = confirmed + in_flight
             if rid in event.num_scheduled_tokens:
                 assert sure < m, (rid, event.step_id, confirmed, in_flight)
@@ -528,9 +527,7 @@ def test_stop_token_at_an_accepted_draft_trims_and_resolves_placeholders(
         for e in [recorder.event("scheduled", so.step_id)]
         if "R" in e.num_scheduled_tokens
     ]
-    assert r.num_output_placeholders == sum(
-        1 + len(e.spec_tokens.get("R", [])) for e in in_flight
-    )
+    assert r.num_output_placeholders == sum(1 + len(e.spec_tokens.get("R", [])) for e in in_flight)
     assert r.num_in_flight_tokens == sum(e.num_scheduled_tokens["R"] for e in in_flight)
     assert before.ledgers["R"].num_output_placeholders - r.num_output_placeholders == (
         1 + K if async_scheduling else 0
@@ -545,7 +542,6 @@ def test_stop_token_at_an_accepted_draft_trims_and_resolves_placeholders(
 # 5. Abort while the step is in flight ------------------------------------------------------------
 
 
-@async_drafts_xfail
 def test_abort_while_verify_step_is_in_flight() -> None:
     """R is aborted (as from another thread) while the engine waits on a step that verifies
     R's drafts; the next step, already planned, holds R too. The abort is drained before the
@@ -614,7 +610,7 @@ def _run_mixed(async_scheduling: bool) -> tuple[dict[str, Any], EngineCore, Reco
         num_correct_by_request={rid: c for rid, (c, _, _) in workload.items()},
         max_model_len=64,
         block_size=4,
-        num_kv_blocks=40,
+        num_kv_blocks=24,  # 96 slots for up to 6 requests of up to 64 tokens: preemption
         max_num_batched_tokens=24,
         max_num_seqs=6,
     )
@@ -626,12 +622,12 @@ def _run_mixed(async_scheduling: bool) -> tuple[dict[str, Any], EngineCore, Reco
     return {rid: outputs.result(rid) for rid in workload}, engine, recorder
 
 
-@async_drafts_xfail
 def test_drafts_under_async_match_sync() -> None:
-    """A mixed drafting workload (chunked prefills, acceptance 0..3 of 3) gives the same
-    tokens sync and async, equal to the scripted reference. Both runs use the drafter, and
-    every verify step accepts exactly min(right drafts, drafts scheduled): under async the
-    worker verifies the drafts proposed after the previous step, not older ones."""
+    """A mixed drafting workload (chunked prefills, preemptions, acceptance 0..3 of 3)
+    gives the same tokens sync and async, equal to the scripted reference. Both runs use the
+    drafter, and every verify step whose result is applied accepts exactly min(right drafts,
+    drafts scheduled): under async the worker verifies the drafts proposed after the
+    previous step, not older ones."""
     workload = _mixed_workload()
     runs = {mode: _run_mixed(mode) for mode in (False, True)}
     for rid, (_, prompt, params) in workload.items():
@@ -666,14 +662,14 @@ def test_drafts_under_async_match_sync() -> None:
             if e.kind == "scheduled" and rid in e.new_reqs
         )
         assert chunked
+        assert scheduler_of(engine).num_preemptions > 0
 
 
-# The engine bugs, pinned --------------------------------------------------------------------------
+# The bugs these scenarios found, pinned --------------------------------------------------------------------------
 
 
-@async_drafts_xfail
 def test_async_verify_step_after_rejected_drafts() -> None:
-    """The smallest case of the bug: one request, 1 of 3 drafts right, async. The second
+    """The smallest case of the first bug: one request, 1 of 3 drafts right, async. The second
     verify step is planned while the first is in flight, so the scheduler's
     num_computed_tokens counts the first step's 2 rejected drafts; the worker must start the
     step after its real history (as vLLM's runner corrects the in-flight rejections)."""
@@ -685,13 +681,6 @@ def test_async_verify_step_after_rejected_drafts() -> None:
     assert outputs.result("R") == expected(prompt, 64, max_tokens=10, ignore_eos=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(AssertionError, IndexError),
-    reason="plugins/reference_scheduler.py update_from_output sets request.spec_token_ids "
-    "from the model output's drafts under async too; the spec keeps the [-1] placeholders "
-    "(the worker holds the real drafts), so later steps schedule stale real drafts",
-)
 def test_async_schedules_only_draft_placeholders() -> None:
     """Under async the scheduler never sees real drafts: every scheduled draft is `-1`."""
     engine, recorder = make_engine(True, max_model_len=64)

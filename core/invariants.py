@@ -24,8 +24,8 @@ def ledger_violations(state: SchedulerState) -> list[str]:
         checks = (
             ("num_output_placeholders >= 0", request.num_output_placeholders >= 0),
             (
-                "num_computed_tokens - num_output_placeholders >= 0",
-                request.num_computed_tokens - request.num_output_placeholders >= 0,
+                "safe_frontier (num_computed_tokens - num_output_placeholders) >= 0",
+                request.safe_frontier >= 0,
             ),
             ("num_stale_output_tokens >= 0", request.num_stale_output_tokens >= 0),
             ("num_in_flight_tokens >= 0", request.num_in_flight_tokens >= 0),

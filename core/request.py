@@ -108,6 +108,13 @@ class Request:
         return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
+    def safe_frontier(self) -> int:
+        """KV length that depends on no in-flight result: `num_computed_tokens` minus the
+        output placeholders it already counts. Always >= 0 (an invariant); a request that
+        is stopped and resumed must restart from here, never from `num_computed_tokens`."""
+        return self.num_computed_tokens - self.num_output_placeholders
+
+    @property
     def max_tokens(self) -> int:
         return self.sampling_params.max_tokens
 

@@ -23,7 +23,7 @@ from tandem.core.model_runner_output import AsyncModelRunnerOutput, ModelRunnerO
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tandem.core.worker.model_runner import ModelRunner
-from tandem.core.worker.scripted_model import scripted_next_token
+from tandem.core.worker.scripted_model import ScriptedModel, scripted_next_token
 from tandem.core.worker.worker import Worker
 from tandem.testing import scripted_config
 
@@ -33,7 +33,23 @@ PROMPTS = {"a": [3, 4, 5], "b": [9, 8, 7, 6, 5], "c": [11, 12]}
 BLOCKS = {"a": [0, 1], "b": [2, 3], "c": [4, 5]}
 
 
-def make_worker(async_scheduling: bool = True) -> Worker:
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    ),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """CPU always; CUDA (copy stream, pinned host copy, event) when a GPU exists."""
+    return request.param
+
+
+def make_worker(async_scheduling: bool = True, device: str = "cpu") -> Worker:
     config = scripted_config(
         async_scheduling=async_scheduling,
         num_kv_blocks=16,
@@ -41,7 +57,8 @@ def make_worker(async_scheduling: bool = True) -> Worker:
         vocab_size=VOCAB,
         max_model_len=64,
     )
-    return Worker(config)
+    model = ScriptedModel(VOCAB, num_blocks=16, block_size=BLOCK, device=device)
+    return Worker(config, model=model)
 
 
 def new_req(req_id: str, **params: Any) -> NewRequestData:
@@ -94,8 +111,8 @@ def decode(
     return out.get_output()
 
 
-def test_sampled_ids_stay_on_device_with_placeholders() -> None:
-    worker = make_worker()
+def test_sampled_ids_stay_on_device_with_placeholders(device: str) -> None:
+    worker = make_worker(device=device)
     runner = worker.model_runner
     first = prefill(worker, ["a", "b"])
     for r in ("a", "b"):
@@ -130,8 +147,8 @@ def test_unchanged_batch_takes_its_inputs_from_the_device(monkeypatch: pytest.Mo
     assert len(index_copies) == 1
 
 
-def test_changed_batch_scatters_the_previous_ids() -> None:
-    worker = make_worker()
+def test_changed_batch_scatters_the_previous_ids(device: str) -> None:
+    worker = make_worker(device=device)
     runner = worker.model_runner
     first = prefill(worker, ["a", "b"])
     # `a` finished; `b` decodes next to a new request `c`: b's previous row (1) no longer
@@ -147,8 +164,8 @@ def test_changed_batch_scatters_the_previous_ids() -> None:
     ]
 
 
-def test_penalties_see_real_ids_before_sampling() -> None:
-    worker = make_worker()
+def test_penalties_see_real_ids_before_sampling(device: str) -> None:
+    worker = make_worker(device=device)
     runner = worker.model_runner
     first = prefill(worker, ["a"], presence_penalty=0.5)
     seen: list[list[list[int]]] = []

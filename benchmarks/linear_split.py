@@ -1,4 +1,5 @@
-"""`split_linear` against `F.linear` on the embedded model's projection shapes.
+"""`split_linear` and oneDNN-packed `PackedLinear` against `F.linear` on the embedded
+model's projection shapes.
 
 All 30 layers' weights (fp32, 270 MB for the four projections) are cycled so they stream
 from memory as in a real step; the LM head is timed alone. Medians over repeats, measured
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tandem.core.worker.packed_linear import PackedLinear
 from tandem.core.worker.split_linear import split_linear
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
@@ -44,6 +46,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     layers = [[torch.randn(o, i) for o, i in LAYER_SHAPES] for _ in range(30)]
     head = torch.randn(*LM_HEAD)
+    packed = [[PackedLinear(w) for w in weights] for weights in layers]
+    packed_head = PackedLinear(head)
     rows_out = []
     for rows in (1, 2, 8, 64, 512, 2048):
         xs = [torch.randn(rows, i) for _, i in LAYER_SHAPES]
@@ -54,20 +58,30 @@ def main() -> None:
                 for w, inp in zip(weights, xs, strict=True):
                     op(inp, w)
 
+        def packed_layers(xs: list[torch.Tensor] = xs) -> None:
+            for weights in packed:
+                for layer, inp in zip(weights, xs, strict=True):
+                    layer(inp)
+
         base_layers = median_ms(lambda: layers_with(F.linear))
         split_layers = median_ms(lambda: layers_with(split_linear))
+        packed_ms = median_ms(packed_layers)
         base_head = median_ms(lambda x=x: F.linear(x, head))
         split_head = median_ms(lambda x=x: split_linear(x, head))
+        packed_head_ms = median_ms(lambda x=x: packed_head(x))
         rows_out.append(
             {
                 "rows": rows,
-                "layers_speedup": base_layers / split_layers,
-                "lm_head_speedup": base_head / split_head,
+                "layers_split_speedup": base_layers / split_layers,  # 1.0 over 256 rows
+                "lm_head_split_speedup": base_head / split_head,
+                "layers_packed_speedup": base_layers / packed_ms,
+                "lm_head_packed_speedup": base_head / packed_head_ms,
             }
         )
         print(
-            f"rows {rows:5d}: 30 layers {base_layers / split_layers:.2f}x, "
-            f"LM head {base_head / split_head:.2f}x"
+            f"rows {rows:5d}: over F.linear, split 30 layers {base_layers / split_layers:.2f}x "
+            f"LM head {base_head / split_head:.2f}x; packed 30 layers "
+            f"{base_layers / packed_ms:.2f}x LM head {base_head / packed_head_ms:.2f}x"
         )
     result = {"threads": args.threads, "results": rows_out}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

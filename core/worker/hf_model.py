@@ -14,8 +14,8 @@ import torch
 from tandem.core.worker.cpu_kernels import PagedDecodeKernel
 from tandem.core.worker.flat_batch import FlatBatch
 from tandem.core.worker.fused_decoder import FusedDecoder
+from tandem.core.worker.packed_linear import PackedLinear
 from tandem.core.worker.paged_attention import ATTENTION_NAME, build_metadata
-from tandem.core.worker.split_linear import split_linear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,6 +62,8 @@ class HFStepModel:
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
         self.fused = FusedDecoder(self.model) if fused else None
+        head = self.model.lm_head
+        self.lm_head = PackedLinear(head.weight, head.bias)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         if decode_kernel is not None and (dtype != torch.float32 or device.type != "cpu"):
             raise ValueError("the CPU decode kernel needs float32 weights on the CPU")
@@ -105,5 +107,4 @@ class HFStepModel:
                 paged=meta,
             ).last_hidden_state[0]
         sampled = hidden.index_select(0, batch.logits_indices)
-        head = self.model.lm_head
-        return split_linear(sampled, head.weight, head.bias).float().contiguous()
+        return self.lm_head(sampled).float().contiguous()

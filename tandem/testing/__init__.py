@@ -1,5 +1,7 @@
 """Test kit for tandem and its plugin authors: the scripted model, engine builders, the
-reference output of the scripted model, and the invariant checker.
+reference output of the scripted model, the invariant checker, and the scheduler plugin
+conformance suite (`tandem.testing.conformance`: `run_conformance(NAME)`, or
+`pytest -p tandem --tandem-conformance NAME`).
 
 Also a pytest plugin (registered under `pytest11`) providing fixtures; see
 `tandem.testing.pytest_plugin`.
@@ -7,6 +9,15 @@ Also a pytest plugin (registered under `pytest11`) providing fixtures; see
 
 from tandem.core.invariants import InvariantViolation, check_invariants
 from tandem.core.worker.scripted_model import ScriptedModel, scripted_next_token
+from tandem.testing.conformance import (
+    CHECKS,
+    ConformanceError,
+    ConformanceReport,
+    check_conformance,
+    ledger_trace,
+    reference_outputs,
+    run_conformance,
+)
 from tandem.testing.engine import (
     collect_outputs,
     expected_scripted_output,
@@ -16,13 +27,20 @@ from tandem.testing.engine import (
 )
 
 __all__ = [
+    "CHECKS",
+    "ConformanceError",
+    "ConformanceReport",
     "InvariantViolation",
     "ScriptedModel",
+    "check_conformance",
     "check_invariants",
     "collect_outputs",
     "expected_scripted_output",
+    "ledger_trace",
     "make_request",
     "make_scripted_engine",
+    "reference_outputs",
+    "run_conformance",
     "scripted_config",
     "scripted_next_token",
 ]

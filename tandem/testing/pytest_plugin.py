@@ -1,16 +1,150 @@
-"""pytest plugin `tandem`: fixtures for testing tandem plugins against the reference engine.
+"""pytest plugin `tandem`: fixtures for testing tandem plugins against the reference engine,
+and the plugin conformance suite as pytest items.
+
+Registered under the `pytest11` entry point, so it is active wherever tandem is installed
+(`-p tandem` loads it explicitly, e.g. with `PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`).
+
+Conformance (see `tandem.testing.conformance`)::
+
+    python -m pytest -p tandem --tandem-conformance NAME [--tandem-conformance NAME2 ...] \\
+        [--tandem-conformance-options '{"option": "value"}']
+
+adds one item per (check, mode) for each scheduler plugin NAME (an entry point of the
+group `tandem.plugins`), with ids like `tandem-conformance[NAME]::greedy-parity[async]`.
+It works in any directory, even an empty one (the items do not come from files; tests
+collected from files run as usual beside them). `--tandem-conformance-options` is a JSON
+object of plugin options given to every NAME. `-k` selects items as usual, e.g.
+`-k "abort and sync"`. A failed item shows the `ConformanceError`: the check, the mode,
+the step, the rule, the request and its ledger.
 
 Fixtures:
 - `scripted_engine_factory`: build an `EngineCore` on the scripted model with invariant
   checks after every step (keywords override config fields).
+- `reference_outputs`: `reference_outputs(workload, mode="sync")`, the outputs of a
+  `conformance.Workload` on the reference scheduler (to compare a plugin's run with).
+- `ledger_trace`: `ledger_trace(engine, max_steps=10_000)` steps an engine until idle and
+  returns, per step, the scheduled tokens, the outputs and every request's ledger
+  (`conformance.format_ledger_trace` prints it).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("tandem", "tandem plugin conformance")
+    group.addoption(
+        "--tandem-conformance",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run the tandem conformance checks on the scheduler plugin NAME "
+        "(entry point of tandem.plugins); repeatable",
+    )
+    group.addoption(
+        "--tandem-conformance-options",
+        default=None,
+        metavar="JSON",
+        help="a JSON object of plugin options for every --tandem-conformance plugin",
+    )
+
+
+def _conformance_options(config: pytest.Config) -> dict[str, Any]:
+    raw = config.getoption("tandem_conformance_options")
+    if raw is None:
+        return {}
+    try:
+        options = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise pytest.UsageError(f"--tandem-conformance-options: invalid JSON: {exc}") from exc
+    if not isinstance(options, dict):
+        raise pytest.UsageError("--tandem-conformance-options: expected a JSON object")
+    return options
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("tandem_conformance", None):
+        _conformance_options(config)  # a usage error before anything runs
+
+
+class ConformanceItem(pytest.Item):
+    """One conformance check of one plugin in one mode."""
+
+    def __init__(
+        self, *, plugin: str, check: str, mode: str, options: dict[str, Any], **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self.plugin = plugin
+        self.check = check
+        self.mode = mode
+        self.options = options
+
+    def runtest(self) -> None:
+        from tandem.testing.conformance import check_conformance
+
+        check_conformance(self.plugin, self.check, self.mode, self.options)  # type: ignore[arg-type]
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
+        from tandem.testing.conformance import ConformanceError
+
+        if isinstance(excinfo.value, ConformanceError):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo, style=style)
+
+    def reportinfo(self) -> tuple[Any, int | None, str]:
+        return self.path, None, f"tandem conformance: {self.plugin} {self.check} [{self.mode}]"
+
+
+class ConformanceSuite(pytest.Collector):
+    """The conformance items of one plugin (not collected from a file)."""
+
+    def __init__(self, *, plugin: str, options: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.plugin = plugin
+        self.options = options
+
+    def collect(self) -> list[pytest.Item]:
+        from tandem.testing.conformance import CHECKS, MODES
+
+        return [
+            ConformanceItem.from_parent(
+                self,
+                name=f"{check}[{mode}]",
+                plugin=self.plugin,
+                check=check,
+                mode=mode,
+                options=self.options,
+            )
+            for check in CHECKS
+            for mode in MODES
+        ]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """Append the conformance items (before `-k`/`-m` deselection runs)."""
+    names = config.getoption("tandem_conformance")
+    if not names:
+        return
+    options = _conformance_options(config)
+    for name in names:
+        node = f"tandem-conformance[{name}]"
+        suite = ConformanceSuite.from_parent(
+            session, name=node, nodeid=node, plugin=name, options=options
+        )
+        collected = suite.collect()
+        # Report them like collected files' items, so the counts pytest prints include them.
+        session.ihook.pytest_collectreport(
+            report=pytest.CollectReport(node, "passed", None, collected)
+        )
+        items.extend(collected)
 
 
 @pytest.fixture
@@ -27,3 +161,21 @@ def scripted_engine_factory() -> Iterator[Callable[..., Any]]:
     yield factory
     for engine in engines:
         engine.shutdown()
+
+
+@pytest.fixture
+def reference_outputs() -> Callable[..., Any]:
+    """`reference_outputs(workload, mode="sync")`: per request, (tokens, finish reason) of
+    a `tandem.testing.conformance.Workload` on the reference scheduler."""
+    from tandem.testing.conformance import reference_outputs as run
+
+    return run
+
+
+@pytest.fixture
+def ledger_trace() -> Callable[..., Any]:
+    """`ledger_trace(engine, max_steps=10_000)`: step until idle; per step the scheduled
+    tokens, the outputs and every request's ledger (a list of `LedgerStep`)."""
+    from tandem.testing.conformance import ledger_trace as trace
+
+    return trace

@@ -135,6 +135,9 @@ class EngineConfig(_Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     plugins: list[PluginSpec] | None = None
     check_invariants: bool = False
+    trace_hooks: bool = Field(
+        False, description="time each plugin's implementation of each hook (engine side)"
+    )
     #: Where the config came from (a stack file's path), for error messages.
     _source: str = PrivateAttr(default="<config>")
 
@@ -166,7 +169,7 @@ class EngineConfig(_Section):
 
 
 _SECTIONS = ("model", "scheduler", "cache", "speculative", "structured_output", "parallel")
-_TOP_LEVEL = ("plugins", "check_invariants")
+_TOP_LEVEL = ("plugins", "check_invariants", "trace_hooks")
 
 
 def _override_target(key: str) -> tuple[str | None, str]:

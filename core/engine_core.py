@@ -21,6 +21,7 @@ import torch
 
 from tandem.core.config import EngineConfig
 from tandem.core.executor import Executor, make_executor
+from tandem.core.hook_timing import HookTimer
 from tandem.core.invariants import check_invariants
 from tandem.core.model_runner_output import ModelRunnerOutput, resolve_output
 from tandem.core.outputs import EngineCoreOutput
@@ -67,8 +68,13 @@ class EngineCore:
         self.num_steps = 0
         #: Set a `StepTracer` to record engine spans (`tandem trace`); None costs nothing.
         self.tracer: StepTracer | None = None
+        #: Per-plugin hook timing when `config.trace_hooks` (`HookTimer.summary`).
+        self.hook_timer = HookTimer().install(self.plugin_manager) if config.trace_hooks else None
 
     def _span(self, name: str) -> AbstractContextManager[None]:
+        if self.hook_timer is not None:  # hook calls inside this span belong to this step
+            self.hook_timer.tracer = self.tracer
+            self.hook_timer.step_id = self.num_steps
         return self.tracer.span("engine", name) if self.tracer is not None else nullcontext()
 
     # Requests -------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def run_tandem(
     from tandem import LLM, SamplingParams
 
     torch.set_num_threads(threads)
-    llm = LLM(model=model, worker_num_threads=threads, **overrides)
+    llm = LLM(model=model, worker_num_threads=threads, trace_hooks=True, **overrides)
     # With the worker in its own process the engine only plans steps: one thread.
     torch.set_num_threads(1 if llm.config.parallel.executor == "process" else threads)
     reqs = workload["requests"]
@@ -81,8 +81,11 @@ def run_tandem(
         and o.metrics.first_token_time
         and len(o.outputs[0].token_ids) > 1
     ]
+    timer = llm.engine.hook_timer
+    hooks = timer.summary(llm.engine.num_steps) if timer is not None else {}
     llm.shutdown()
     return {
+        "hook_times": hooks,  # per "plugin.hook": calls, total_ms, ms_per_step
         "output_tokens": out_tokens,
         "elapsed_s": elapsed,
         "output_tokens_per_s": out_tokens / elapsed,

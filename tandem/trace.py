@@ -36,6 +36,7 @@ def record(
         parallel={"executor": "simulated"},
         async_scheduling=async_scheduling,
         check_invariants=False,
+        trace_hooks=True,
         max_model_len=max_len,
         max_num_seqs=requests,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -73,6 +74,7 @@ def record(
         / max(len(device_steps), 1),
         "steps": engine.num_steps,
         "engine_calls": calls,
+        "hook_times": engine.hook_timer.summary(engine.num_steps) if engine.hook_timer else {},
     }
     engine.shutdown()
     return tracer, stats

@@ -140,6 +140,8 @@ class EngineConfig(_Section):
     )
     #: Where the config came from (a stack file's path), for error messages.
     _source: str = PrivateAttr(default="<config>")
+    #: Line (1-based) of each key path of the stack file, e.g. `("plugins", 1)`.
+    _lines: dict[tuple[str | int, ...], int] = PrivateAttr(default_factory=dict)
 
     @property
     def source(self) -> str:
@@ -188,6 +190,39 @@ def _override_target(key: str) -> tuple[str | None, str]:
     raise ConfigError(f"unknown engine option {key!r}: not a field of any config section")
 
 
+def yaml_key_lines(text: str) -> dict[tuple[str | int, ...], int]:
+    """The 1-based line of every mapping key and sequence item of a YAML document, by path."""
+    lines: dict[tuple[str | int, ...], int] = {}
+
+    def walk(node: yaml.Node, path: tuple[str | int, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                child = (*path, str(key.value))
+                lines[child] = key.start_mark.line + 1
+                walk(value, child)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                lines[(*path, i)] = item.start_mark.line + 1
+                walk(item, (*path, i))
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def with_line(
+    source: str, lines: dict[tuple[str | int, ...], int], path: tuple[str | int, ...]
+) -> str:
+    """`source:N` for the line of the deepest prefix of `path` the stack file has (the
+    compiler convention `file:line: message`), else `source`."""
+    for end in range(len(path), 0, -1):
+        line = lines.get(tuple(path[:end]))
+        if line is not None:
+            return f"{source}:{line}"
+    return source
+
+
 def load_config(path: str | Path | EngineConfig | None = None, **overrides: Any) -> EngineConfig:
     """Read an optional YAML stack file (or start from an `EngineConfig`), apply keyword
     overrides, validate.
@@ -197,6 +232,7 @@ def load_config(path: str | Path | EngineConfig | None = None, **overrides: Any)
     """
     source = str(path) if isinstance(path, (str, Path)) else "<keywords>"
     data: dict[str, Any] = {}
+    lines: dict[tuple[str | int, ...], int] = {}
     if isinstance(path, EngineConfig):
         data = path.model_dump(exclude_unset=True)
     elif path is not None:
@@ -208,6 +244,7 @@ def load_config(path: str | Path | EngineConfig | None = None, **overrides: Any)
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise ConfigError(f"{source}: invalid YAML: {exc}") from exc
+        lines = yaml_key_lines(text)
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -229,6 +266,7 @@ def load_config(path: str | Path | EngineConfig | None = None, **overrides: Any)
     try:
         config = EngineConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source)) from exc
+        raise ConfigError(format_validation_error(exc, source, lines)) from exc
     config._source = source if isinstance(path, (str, Path)) else getattr(path, "source", source)
+    config._lines = dict(path._lines) if isinstance(path, EngineConfig) else lines
     return config

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import pluggy
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from tandem.core.config import ConfigError, EngineConfig, PluginSpec
+from tandem.core.config import ConfigError, EngineConfig, PluginSpec, with_line
 from tandem.core.hookspecs import PROJECT, EngineHookSpecs, WorkerHookSpecs
 from tandem.core.sampling_params import format_validation_error
 
@@ -128,7 +128,13 @@ def resolve_stack(config: EngineConfig, source: str = "<config>") -> list[tuple[
     """
     specs = list(config.plugins) if config.plugins is not None else default_stack(config)
     resolved = [
-        (spec, load_plugin_class(spec.name, f"{source}: plugins[{i}].name"))
+        (
+            spec,
+            load_plugin_class(
+                spec.name,
+                f"{with_line(source, config._lines, ('plugins', i))}: plugins[{i}].name",
+            ),
+        )
         for i, spec in enumerate(specs)
     ]
     roles: dict[str, list[str]] = {}
@@ -157,6 +163,15 @@ def resolve_stack(config: EngineConfig, source: str = "<config>") -> list[tuple[
     return resolved
 
 
+def stack_entry_location(config: EngineConfig, spec: PluginSpec, source: str) -> str:
+    """`file:N: plugins[i]` for a plugin the stack file names; a plugin the resolver
+    added (the async layer) has no entry and is named instead."""
+    for i, named in enumerate(config.plugins or []):
+        if named is spec:
+            return f"{with_line(source, config._lines, ('plugins', i))}: plugins[{i}]"
+    return f"{source}: plugin {spec.name!r} (implied by the stack)"
+
+
 def validate_options(spec: PluginSpec, cls: type, where: str) -> BaseModel:
     options_model: type[BaseModel] = getattr(cls, "Options", NoOptions)
     try:
@@ -181,7 +196,8 @@ class TandemPluginManager(pluggy.PluginManager):
         instances: list[tuple[str, Any]] = []
         self.stack_names = [spec.name for spec, _ in resolved]
         for i, (spec, cls) in enumerate(resolved):
-            options = validate_options(spec, cls, f"{source}: plugins[{i}]")
+            where = stack_entry_location(config, spec, source)
+            options = validate_options(spec, cls, where)
             self._check_hook_names(spec.name, cls)
             if side not in plugin_sides(cls):
                 continue
@@ -191,8 +207,7 @@ class TandemPluginManager(pluggy.PluginManager):
                 raise
             except Exception as exc:
                 raise PluginConfigError(
-                    f"{source}: plugins[{i}]: plugin {spec.name!r} failed to start: "
-                    f"{type(exc).__name__}: {exc}"
+                    f"{where}: plugin {spec.name!r} failed to start: {type(exc).__name__}: {exc}"
                 ) from exc
             # A plugin may appear twice in a stack (with different options).
             name = spec.name if spec.name not in dict(instances) else f"{spec.name}#{i}"

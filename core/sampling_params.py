@@ -99,15 +99,23 @@ class SamplingParams(BaseModel):
             raise SamplingParamsError(format_validation_error(exc, "SamplingParams")) from exc
 
 
-def format_validation_error(exc: ValidationError, where: str) -> str:
-    """One line per problem: `where: field.path: message (got value)`."""
+def format_validation_error(
+    exc: ValidationError, where: str, key_lines: dict[tuple[str | int, ...], int] | None = None
+) -> str:
+    """One line per problem: `where: field.path: message (got value)`; `where:N` when
+    `key_lines` (from a YAML file) knows the field path's line."""
     lines = []
     for err in exc.errors():
         path = ".".join(str(p) for p in err["loc"]) or "<root>"
+        at = where
+        if key_lines:
+            from tandem.core.config import with_line
+
+            at = with_line(where, key_lines, tuple(err["loc"]))
         got = err.get("input")
         shown = "" if isinstance(got, dict) else f" (got {got!r})"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
-        lines.append(f"{where}: {path}: {msg}{shown}")
+        lines.append(f"{at}: {path}: {msg}{shown}")
     return "\n".join(lines)

@@ -20,6 +20,7 @@ from tandem.core.plugin_manager import (
     implemented_hooks,
     load_plugin_class,
     resolve_stack,
+    stack_entry_location,
     validate_options,
 )
 from tandem.core.resolve import resolve_config
@@ -76,7 +77,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     print("plugins (call order):")
     answers: dict[str, str] = {}
     for i, (spec, cls) in enumerate(resolved):
-        options = validate_options(spec, cls, f"{source}: plugins[{i}]")
+        options = validate_options(spec, cls, stack_entry_location(config, spec, source))
         hooks = sorted(implemented_hooks(cls))
         for hook in hooks:
             if hook in firstresult:

@@ -48,7 +48,9 @@ def test_bad_option_in_a_yaml_stack_names_the_file(tmp_path: Path) -> None:
     config = resolve_config(load_config(stack))
     with pytest.raises(PluginConfigError) as info:
         EngineCore(config, source=str(stack))
-    assert str(info.value).startswith(f"{stack}: plugins[0].options: aging_rate: ")
+    # `file:line:` of the plugin's entry in the stack, then the key path.
+    line = 1 + stack.read_text().splitlines().index("  - name: srpt-scheduler")
+    assert str(info.value).startswith(f"{stack}:{line}: plugins[0].options: aging_rate: ")
     assert "greater than 0" in str(info.value)
 
 

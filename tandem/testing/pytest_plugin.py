@@ -22,6 +22,9 @@ Fixtures:
   checks after every step (keywords override config fields).
 - `reference_outputs`: `reference_outputs(workload, mode="sync")`, the outputs of a
   `conformance.Workload` on the reference scheduler (to compare a plugin's run with).
+- `tiny_model_dir`: `tiny_model_dir(arch)` (llama, qwen2, qwen3) is the directory of a
+  tiny random HF model built once per session (`tandem.testing.tiny_model`), for running a
+  plugin on a real transformer: `LLM(model=str(tiny_model_dir("qwen2")))`.
 - `ledger_trace`: `ledger_trace(engine, max_steps=10_000)` steps an engine until idle and
   returns, per step, the scheduled tokens, the outputs and every request's ledger
   (`conformance.format_ledger_trace` prints it).
@@ -145,6 +148,22 @@ def pytest_collection_modifyitems(
             report=pytest.CollectReport(node, "passed", None, collected)
         )
         items.extend(collected)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Any]:
+    """`tiny_model_dir(arch)`: the directory of a tiny random Llama / Qwen2 / Qwen3 model
+    (`tandem.testing.tiny_model`), built once per session; `LLM(model=str(path))` runs it."""
+    from tandem.testing.tiny_model import save_tiny_model
+
+    built: dict[str, Any] = {}
+
+    def get(arch: str = "llama") -> Any:
+        if arch not in built:
+            built[arch] = save_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
+        return built[arch]
+
+    return get
 
 
 @pytest.fixture

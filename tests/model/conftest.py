@@ -18,41 +18,15 @@ from typing import Any
 import pytest
 import torch
 
+from tandem.testing.tiny_model import TINY_ARCHS, save_tiny_model
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
-TINY_VOCAB = 384
-TINY_EOS = 2
 #: The smallest top-1 minus top-2 logit gap the reference may show at any greedy step.
 MIN_LOGIT_GAP = 1e-3
-TINY_ARCHS = ("llama", "qwen2", "qwen3")
-#: Seeds chosen so that every parity workload keeps a min top-2 gap >= 0.02
-#: (checked at run time by `hf_greedy`, never assumed).
-_TINY_SEEDS = {"llama": 9, "qwen2": 22, "qwen3": 29}
-_INIT_RANGE = 1.0
-
-
-def _tiny_config(arch: str):  # noqa: ANN202 - a transformers PretrainedConfig
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
-    return cls(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        initializer_range=_INIT_RANGE,
-        bos_token_id=1,
-        eos_token_id=TINY_EOS,
-        pad_token_id=0,
-    )
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -63,15 +37,10 @@ def _one_thread() -> None:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """arch -> directory of a tiny random-initialised causal LM (safetensors, no tokenizer)."""
-    from transformers import AutoModelForCausalLM
-
     root = tmp_path_factory.mktemp("tiny-models")
     dirs = {}
     for arch in TINY_ARCHS:
-        torch.manual_seed(_TINY_SEEDS[arch])
-        model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32).eval()
-        target = root / arch
-        model.save_pretrained(target)
+        target = save_tiny_model(arch, root / arch)
         assert (target / "config.json").exists()
         assert not (target / "tokenizer.json").exists()
         dirs[arch] = target

@@ -17,10 +17,7 @@ import pytest
 
 from tandem.core.sampling_params import SamplingParams
 from tandem.llm import LLM
-
-#: Must match tests/model/conftest.py (the fixtures build these).
-TINY_ARCHS = ("llama", "qwen2", "qwen3")
-TINY_VOCAB = 384
+from tandem.testing.tiny_model import TINY_ARCHS, TINY_VOCAB
 
 ASYNC = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 ARCHS = [pytest.param(a, id=a) for a in TINY_ARCHS]

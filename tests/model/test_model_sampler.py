@@ -21,8 +21,8 @@ from tandem.core.worker.model_runner import ModelRunner, RunnerRequestState
 from tandem.core.worker.sampling_metadata import SamplingMetadata
 from tandem.llm import LLM
 from tandem.plugins.default_sampler import DefaultSampler, apply_penalties
+from tandem.testing.tiny_model import TINY_VOCAB
 
-TINY_VOCAB = 384  # as tests/model/conftest.py
 TINY_EOS = 2
 
 

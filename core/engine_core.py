@@ -70,6 +70,9 @@ class EngineCore:
         self.tracer: StepTracer | None = None
         #: Per-plugin hook timing when `config.trace_hooks` (`HookTimer.summary`).
         self.hook_timer = HookTimer().install(self.plugin_manager) if config.trace_hooks else None
+        worker = getattr(self.executor, "worker", None)  # in-process and thread executors
+        if self.hook_timer is not None and worker is not None:
+            self.hook_timer.install(worker.plugin_manager)  # `sample`, `propose_drafts`
 
     def _span(self, name: str) -> AbstractContextManager[None]:
         if self.hook_timer is not None:  # hook calls inside this span belong to this step

@@ -4,7 +4,10 @@
 manager (pluggy keeps the callable in `HookImpl.function`), so each call is timed on its
 own, not the hook as a whole. Totals accumulate per `"plugin.hook"`; with a `StepTracer`
 attached, every call is also a span on the `hooks` lane (`tandem trace`). Turned on by the
-top-level config flag `trace_hooks` (off: nothing is wrapped, nothing is paid).
+top-level config flag `trace_hooks` (off: nothing is wrapped, nothing is paid). The kernel
+installs it on the engine's manager and, when the worker lives in the engine's process
+(in-process and thread executors), on the worker's (`sample`, `propose_drafts`); a worker
+in another process is not timed.
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ def test_each_plugin_hook_pair_is_counted() -> None:
     assert summary["reference-scheduler.update_after_schedule"]["calls"] == schedule_calls
     assert summary["async-scheduler.update_after_schedule"]["calls"] == schedule_calls
     assert summary["reference-scheduler.update_from_output"]["calls"] == engine.num_steps
+    # Worker-side hooks too (the worker runs in process here).
+    assert summary["default-sampler.sample"]["calls"] > 0
     assert all(v["total_ms"] >= 0 and v["ms_per_step"] >= 0 for v in summary.values())
 
 

@@ -150,6 +150,20 @@ def resolve_stack(config: EngineConfig, source: str = "<config>") -> list[tuple[
             )
     if "scheduler" not in roles:
         raise PluginConfigError(f"{source}: plugins: the stack has no scheduler plugin")
+    if "grammar" in roles:
+        masking = [
+            spec.name
+            for spec, cls in resolved
+            if getattr(cls, "role", None) == "sampler"
+            and getattr(cls, "applies_grammar_bitmask", False)
+        ]
+        if not masking:
+            samplers = roles.get("sampler", [])
+            raise PluginConfigError(
+                f"{source}: plugins: the grammar backend {roles['grammar'][0]} needs a sampler "
+                "that applies grammar bitmasks (`applies_grammar_bitmask = True`), but "
+                + (f"{samplers[0]} does not" if samplers else "the stack has no sampler")
+            )
     if config.scheduler.async_scheduling and "async-layer" not in roles:
         index = next(
             i for i, (_, c) in enumerate(resolved) if getattr(c, "role", None) == "scheduler"

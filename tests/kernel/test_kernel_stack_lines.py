@@ -69,3 +69,11 @@ def test_two_schedulers_name_both_plugins(tmp_path: Path) -> None:
     message = engine_error(path)
     assert str(path) in message
     assert "claim the scheduler role (reference-scheduler, reference-scheduler)" in message
+
+
+def test_grammar_backend_without_a_masking_sampler_names_both(tmp_path: Path) -> None:
+    """A grammar backend in a stack whose sampler cannot apply its masks is refused."""
+    path = write(tmp_path, "plugins:\n  - name: reference-scheduler\n  - name: fake-grammar\n")
+    message = engine_error(path)
+    assert "grammar backend fake-grammar needs a sampler" in message
+    assert "the stack has no sampler" in message

@@ -2,8 +2,10 @@
 engine (`check_invariants: true`).
 
 Per request: `num_output_placeholders >= 0`, `num_computed_tokens - num_output_placeholders
->= 0`, `num_stale_output_tokens >= 0`, `num_in_flight_tokens >= 0`, `num_computed_tokens <=
-num_tokens_with_spec + num_output_placeholders`, and every RUNNING request holds KV blocks
+>= 0` (the safe frontier), `num_stale_output_tokens >= 0`, `num_in_flight_tokens >= 0`,
+`num_output_placeholders <= num_in_flight_tokens` (a step's returned tokens must resolve its
+placeholders), `num_computed_tokens <= num_tokens_with_spec + num_output_placeholders`, and
+every RUNNING request holds KV blocks
 for all computed tokens. KV: every block is exactly one of free, cached-and-free, held (ref
 count = holders) or waiting for a fence; when the engine is idle, every block is free.
 """
@@ -29,6 +31,11 @@ def ledger_violations(state: SchedulerState) -> list[str]:
             ),
             ("num_stale_output_tokens >= 0", request.num_stale_output_tokens >= 0),
             ("num_in_flight_tokens >= 0", request.num_in_flight_tokens >= 0),
+            (
+                # A placeholder stands for a sampled token whose step is still in flight.
+                "num_output_placeholders <= num_in_flight_tokens",
+                request.num_output_placeholders <= request.num_in_flight_tokens,
+            ),
             (
                 "num_computed_tokens <= num_tokens_with_spec + num_output_placeholders",
                 request.num_computed_tokens

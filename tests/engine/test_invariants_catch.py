@@ -31,3 +31,14 @@ def test_negative_stale_count_is_caught() -> None:
     engine.scheduler_state.requests["r"].num_stale_output_tokens = -1
     with pytest.raises(InvariantViolation, match="num_stale_output_tokens"):
         check_invariants(engine.scheduler_state, step=1, idle=False)
+
+
+def test_placeholders_beyond_the_tokens_in_flight_are_caught() -> None:
+    """A scheduler that forgets to resolve placeholders leaves more of them than tokens in
+    flight; the kernel's own checker names it (before the model runner trips over it)."""
+    engine = running_engine()
+    request = engine.scheduler_state.requests["r"]
+    request.num_output_placeholders = request.num_in_flight_tokens + 1
+    request.num_computed_tokens += 1  # keep the safe frontier itself valid
+    with pytest.raises(InvariantViolation, match="num_output_placeholders <= num_in_flight"):
+        check_invariants(engine.scheduler_state, step=1, idle=False)

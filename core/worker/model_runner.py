@@ -9,6 +9,7 @@ scripted test model or a real transformer.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -141,28 +142,31 @@ class ModelRunner:
         row = self.input_batch.req_id_to_row
         req_ids = sorted(so.num_scheduled_tokens, key=row.__getitem__)
         states = [self.requests[r] for r in req_ids]
+        num_scheduled = [so.num_scheduled_tokens[r] for r in req_ids]
         batch = build_flat_batch(
             req_ids=req_ids,
             token_ids=[s.token_ids for s in states],
             num_computed=[s.num_computed_tokens for s in states],
-            num_scheduled=[so.num_scheduled_tokens[r] for r in req_ids],
+            num_scheduled=num_scheduled,
             drafts=[self._scheduled_drafts(so, r) for r in req_ids],
             block_ids=[s.block_ids for s in states],
             block_size=self.block_size,
             device=self.model.device,
         )
         if self.prev_sampled_token_ids is not None:
-            self._fill_sampled_inputs(batch, states)
+            self._fill_sampled_inputs(batch, states, num_scheduled)
         logits = self.model.forward(batch) if batch.num_tokens else torch.zeros(0, 1)
         self._pending.append((so, batch, logits))
 
-    def _fill_sampled_inputs(self, batch: FlatBatch, states: list[RunnerRequestState]) -> None:
+    def _fill_sampled_inputs(
+        self, batch: FlatBatch, states: list[RunnerRequestState], num_scheduled: list[int]
+    ) -> None:
         """Write the previous step's sampled ids, still on the device, into this step's
         input ids where the history holds their `-1` placeholders."""
         assert self.prev_sampled_token_ids is not None
         flat: list[int] = []
         prev: list[int] = []
-        starts = batch.query_start_loc.tolist()
+        starts = list(itertools.accumulate(num_scheduled, initial=0))  # host: no device sync
         for r, state in enumerate(states):
             index = self.prev_req_id_to_index.get(state.req_id)
             if index is None or not state.token_ids or state.token_ids[-1] != -1:

@@ -28,7 +28,10 @@ class ModelRunnerOutput:
 
     `sampled_token_ids[i]` are the new tokens of `req_ids[i]` (empty for a prefill chunk
     that does not sample). `draft_token_ids` carries the drafts proposed for the next step
-    under synchronous scheduling (under async they stay in the worker).
+    under synchronous scheduling; the scheduler schedules them. Under async scheduling the
+    scheduler keeps `-1` placeholders and `draft_token_ids` is None; `kept_draft_token_ids`
+    then reports, for information only, the drafts the worker will substitute for those
+    placeholders in the next step (a grammar backend needs them for its draft rows).
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -36,6 +39,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[dict[int, tuple[float, int]]] | None] | None = None
     draft_token_ids: dict[str, list[int]] | None = None
+    kept_draft_token_ids: dict[str, list[int]] | None = None
 
 
 def logprobs_per_request(

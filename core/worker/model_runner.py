@@ -350,6 +350,7 @@ class ModelRunner:
             logprobs=logprobs,
             # Under async the scheduler keeps `-1` draft placeholders; the drafts stay here.
             draft_token_ids=None if self.async_scheduling else drafts,
+            kept_draft_token_ids=drafts if self.async_scheduling else None,
         )
 
     def _expand_grammar_bitmask(

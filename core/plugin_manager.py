@@ -115,9 +115,53 @@ def plugin_sides(cls: type) -> set[str]:
     return sides
 
 
+#: The drafter plugin the default stack adds for each `speculative.method`.
+DRAFTER_FOR_METHOD = {
+    "ngram": "ngram-drafter",
+    "eagle": "eagle-drafter",
+    "draft_model": "draft-model-drafter",
+    "scripted": "scripted-drafter",
+}
+
+
 def default_stack(config: EngineConfig) -> list[PluginSpec]:
-    """The stack used when the config names none: the reference scheduler and sampler."""
-    return [PluginSpec(name="reference-scheduler"), PluginSpec(name="default-sampler")]
+    """The stack used when the config names none: the reference scheduler and sampler,
+    and the drafter of `speculative.method` when speculative decoding is configured."""
+    stack = [PluginSpec(name="reference-scheduler"), PluginSpec(name="default-sampler")]
+    if config.speculative is not None:
+        stack.append(PluginSpec(name=DRAFTER_FOR_METHOD[config.speculative.method]))
+    return stack
+
+
+def find_drafter(config: EngineConfig, source: str = "<config>") -> tuple[str, type] | None:
+    """(name, class) of the drafter-role plugin the stack will use, or None.
+
+    Raises `PluginConfigError` when the stack and `speculative` disagree: speculative
+    decoding configured but no drafter in an explicit stack, or a drafter without it."""
+    specs = list(config.plugins) if config.plugins is not None else default_stack(config)
+    drafters = []
+    for i, spec in enumerate(specs):
+        where = f"{with_line(source, config._lines, ('plugins', i))}: plugins[{i}].name"
+        cls = load_plugin_class(spec.name, where)
+        if getattr(cls, "role", None) == "drafter":
+            drafters.append((spec.name, cls))
+    if config.speculative is not None and not drafters:
+        raise PluginConfigError(
+            f"{source}: speculative: method {config.speculative.method!r} is configured but "
+            f"the stack ({', '.join(s.name for s in specs)}) has no drafter plugin; add "
+            f"{DRAFTER_FOR_METHOD[config.speculative.method]!r} to plugins"
+        )
+    if config.speculative is None and drafters:
+        raise PluginConfigError(
+            f"{source}: plugins: the drafter {drafters[0][0]!r} needs a speculative section "
+            "(speculative: {method: ..., num_speculative_tokens: k}), but none is configured"
+        )
+    if len(drafters) > 1:
+        raise PluginConfigError(
+            f"{source}: plugins: {len(drafters)} plugins claim the drafter role "
+            f"({', '.join(n for n, _ in drafters)}); a stack has at most one drafter"
+        )
+    return drafters[0] if drafters else None
 
 
 def resolve_stack(config: EngineConfig, source: str = "<config>") -> list[tuple[PluginSpec, type]]:
@@ -150,6 +194,7 @@ def resolve_stack(config: EngineConfig, source: str = "<config>") -> list[tuple[
             )
     if "scheduler" not in roles:
         raise PluginConfigError(f"{source}: plugins: the stack has no scheduler plugin")
+    find_drafter(config, source)
     if "grammar" in roles:
         masking = [
             spec.name

@@ -2,8 +2,8 @@
 
 `async_scheduling`: None resolves to on unless an option is incompatible (then off, with a
 log line naming it); True with an incompatible option is an error naming it. Incompatible:
-an executor without async support, pipeline parallelism, a draft method that does not
-produce aligned drafts.
+an executor without async support, pipeline parallelism, a drafter plugin that declares
+`aligned_drafts = False` (looked up in the stack the engine will use).
 """
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ import logging
 import math
 
 from tandem.core.config import ConfigError, EngineConfig
+from tandem.core.plugin_manager import find_drafter
 
 logger = logging.getLogger("tandem.config")
 
 SCRIPTED_DEFAULT_VOCAB = 128
 SCRIPTED_DEFAULT_EOS = 1
 SCRIPTED_DEFAULT_MAX_MODEL_LEN = 1024
-#: Draft methods whose drafts line up with the sampled tokens (the worker can keep them).
-ALIGNED_DRAFT_METHODS = frozenset({"ngram", "eagle", "draft_model", "scripted"})
 
 
 def async_incompatibility(config: EngineConfig, executor_supports_async: bool) -> str | None:
@@ -28,9 +27,12 @@ def async_incompatibility(config: EngineConfig, executor_supports_async: bool) -
         return f"executor {config.parallel.executor!r} without async scheduling support"
     if config.parallel.pipeline_parallel_size > 1:
         return "pipeline parallelism"
-    spec = config.speculative
-    if spec is not None and spec.method not in ALIGNED_DRAFT_METHODS:
-        return f"{spec.method}-based speculative decoding (drafts not aligned)"
+    if config.speculative is not None:
+        # The drafter declares it: `aligned_drafts = False` when its drafts do not continue
+        # the sampled tokens, so the worker cannot keep them for the next step.
+        drafter = find_drafter(config, config.source)
+        if drafter is not None and not getattr(drafter[1], "aligned_drafts", True):
+            return f"drafter {drafter[0]!r} (its drafts are not aligned with the sampled tokens)"
     return None
 
 

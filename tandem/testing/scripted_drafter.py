@@ -29,6 +29,7 @@ class ScriptedDrafterOptions(BaseModel):
 
 class ScriptedDrafter:
     role: ClassVar[str] = "drafter"
+    aligned_drafts: ClassVar[bool] = True
     Options: ClassVar[type[BaseModel]] = ScriptedDrafterOptions
 
     def __init__(self, config: EngineConfig, options: ScriptedDrafterOptions) -> None:

@@ -79,7 +79,18 @@ class OutputProcessor:
             if record.logprobs is not None and out.new_logprobs:
                 record.logprobs.extend(out.new_logprobs)
             if record.detokenizer is not None:
+                num_before = len(record.detokenizer.token_ids)
                 stop = record.detokenizer.append(out.new_token_ids)
+                if stop is not None:
+                    # A multi-token step (accepted drafts) may run past the stop string:
+                    # keep the tokens up to the one that completed it, drop the rest.
+                    extra = len(out.new_token_ids) - (
+                        len(record.detokenizer.token_ids) - num_before
+                    )
+                    if extra:
+                        del record.token_ids[-extra:]
+                        if record.logprobs:
+                            del record.logprobs[len(record.token_ids) :]
                 if stop is not None and out.finish_reason is None:
                     record.finish_reason = "stop"
                     record.stop_reason = stop

@@ -26,7 +26,7 @@ from tandem.core.invariants import check_invariants
 from tandem.core.model_runner_output import ModelRunnerOutput, resolve_output
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.plugin_manager import TandemPluginManager
-from tandem.core.request import Request, RequestStatus
+from tandem.core.request import Request, RequestRejectedError, RequestStatus
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.scheduler_state import SchedulerState
@@ -103,6 +103,12 @@ class EngineCore:
                 f"request {request.request_id}: prompt_token_ids: token id {bad} is "
                 f"outside the vocabulary [0, {self.vocab_size})"
             )
+        if request.use_structured_output and not self.plugin_manager.plugins_with_role("grammar"):
+            raise RequestRejectedError(
+                f"request {request.request_id}: structured_outputs: this engine's stack has no "
+                "grammar backend (the scripted model has no tokenizer; with a real model add "
+                "the 'structured-output' plugin)"
+            )
         if request.request_id in self._live:
             raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
         if any(request.request_id in so.num_scheduled_tokens for _, so, _ in self.batch_queue):
@@ -130,16 +136,38 @@ class EngineCore:
             self._aborts.extend(request_ids)
 
     def _process_aborts_queue(self) -> list[EngineCoreOutput]:
+        """Drain client aborts, then the requests plugins ended (`poll_finished_requests`)."""
         with self._aborts_lock:
             ids = [rid for rid in self._aborts if rid in self._live]
             self._aborts.clear()
-        if not ids:
-            return []
-        self.hook.abort_requests(request_ids=ids, status=RequestStatus.FINISHED_ABORTED)
-        self._live.difference_update(ids)
-        return [
-            EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="abort") for rid in ids
-        ]
+        outputs = []
+        if ids:
+            self.hook.abort_requests(request_ids=ids, status=RequestStatus.FINISHED_ABORTED)
+            self._live.difference_update(ids)
+            outputs = [
+                EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="abort")
+                for rid in ids
+            ]
+        for finishes in self.hook.poll_finished_requests():
+            for finish in finishes or ():
+                if finish.request_id not in self._live:
+                    continue
+                status = (
+                    RequestStatus.FINISHED_ERROR
+                    if finish.finish_reason == "error"
+                    else RequestStatus.FINISHED_STOPPED
+                )
+                self.hook.abort_requests(request_ids=[finish.request_id], status=status)
+                self._live.discard(finish.request_id)
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=finish.request_id,
+                        new_token_ids=[],
+                        finish_reason=status.finish_reason,
+                        error=finish.error,
+                    )
+                )
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.hook.has_unfinished_requests())

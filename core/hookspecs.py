@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from tandem.core.model_runner_output import ModelRunnerOutput, SamplerOutput
-    from tandem.core.outputs import EngineCoreOutput
+    from tandem.core.outputs import EngineCoreOutput, PluginFinish
     from tandem.core.plugin_manager import TandemPluginManager
     from tandem.core.request import Request, RequestStatus
     from tandem.core.scheduler_output import SchedulerOutput
@@ -57,7 +57,14 @@ class EngineHookSpecs:
         `max_model_len`, token ids inside the vocabulary). Broadcast. The scheduler enqueues
         it in WAITING and registers it; a grammar backend may start compiling. A plugin may
         raise `ValueError` to reject the request: the kernel then aborts it in every plugin
-        and reports the error to that request's caller only.
+        and reports the error to that request's caller only (`RequestRejectedError`, a
+        `ValueError`, says the problem is this request's own: a front door reports it as
+        that request's `finish_reason == "error"` and goes on with the others).
+
+        Waiting for a plugin: a plugin that needs time before the request may run (a
+        grammar compiling) sets `request.grammar_ready` to a callable; the scheduler admits
+        the request from WAITING only once it returns True, and skips it (never blocks the
+        requests behind it) until then.
         """
 
     @hookspec
@@ -121,6 +128,23 @@ class EngineHookSpecs:
         stop), finishes and frees requests, and advances the KV fence; it skips requests
         that finished or were aborted while the step was in flight. Others (grammar,
         drafter metrics) observe or advance their own state.
+        """
+
+    @hookspec
+    def poll_finished_requests(self) -> list[PluginFinish] | None:
+        """Requests a plugin has ended on its own, outside any step's results.
+
+        Caller: the kernel, at each drain point (the start of a step and before every
+        `update_from_output`), right after it drains the aborts queue. Broadcast; each
+        plugin returns the requests it ended since it was last asked (each at most once),
+        or None. The kernel then finishes them exactly like an abort, with status
+        `FINISHED_ERROR` (`finish_reason == "error"`, `PluginFinish.error` reported to the
+        request's caller) or `FINISHED_STOPPED` ("stop"), through `abort_requests`, so
+        the scheduler frees their KV through the fence; results of steps still in flight
+        for them are dropped. Other requests are not affected. Unknown or already
+        finished ids are ignored. Used by grammar backends for a grammar that failed to
+        compile or timed out (error) and for a grammar that terminated on a request that
+        does not stop at EOS (stop).
         """
 
     @hookspec(firstresult=True)

@@ -101,6 +101,7 @@ class OutputProcessor:
             if out.finish_reason is not None:
                 record.finish_reason = out.finish_reason
                 record.stop_reason = out.stop_reason
+                record.error = out.error
                 record.metrics.finished_time = now
                 finished.append(out.request_id)
         return finished

@@ -15,10 +15,22 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     new_logprobs: list[dict[int, tuple[float, int]]] | None = None
+    #: Why the request failed, for `finish_reason == "error"`.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class PluginFinish:
+    """A request a plugin ended on its own (`poll_finished_requests`): `finish_reason` is
+    "error" (with `error`, the caller's message) or "stop"."""
+
+    request_id: str
+    finish_reason: str
+    error: str | None = None
 
 
 @dataclass(slots=True)

@@ -126,8 +126,11 @@ DRAFTER_FOR_METHOD = {
 
 def default_stack(config: EngineConfig) -> list[PluginSpec]:
     """The stack used when the config names none: the reference scheduler and sampler,
-    and the drafter of `speculative.method` when speculative decoding is configured."""
+    the `structured-output` grammar plugin for a real model (one with a tokenizer), and
+    the drafter of `speculative.method` when speculative decoding is configured."""
     stack = [PluginSpec(name="reference-scheduler"), PluginSpec(name="default-sampler")]
+    if config.model.model != "scripted":  # a real model has a tokenizer: grammars work
+        stack.append(PluginSpec(name="structured-output"))
     if config.speculative is not None:
         stack.append(PluginSpec(name=DRAFTER_FOR_METHOD[config.speculative.method]))
     return stack

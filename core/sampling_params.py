@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tandem.core.structured_outputs import StructuredOutputsParams
+
 
 class SamplingParamsError(ValueError):
     """Raised for invalid sampling parameters; the message names each bad field."""
@@ -47,7 +49,8 @@ class SamplingParams(BaseModel):
     #: Token sequences of `bad_words`, filled in by the front door's tokenizer (or given
     #: directly when there is no tokenizer).
     bad_words_token_ids: list[list[int]] = Field(default_factory=list)
-    structured_outputs: dict[str, Any] | None = None
+    #: The output constraint (vLLM's shape); a dict is validated into the model.
+    structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
 
     @field_validator("top_k")

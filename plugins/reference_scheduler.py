@@ -6,8 +6,10 @@ the token budget, `long_prefill_token_threshold` and `max_model_len`; chunked pr
 just that clamp. A failed KV allocation preempts by recompute (FCFS: the most recently
 admitted; priority: the largest (priority, arrival)), possibly the request itself; the
 victim frees its blocks through the fence, resets its ledger and goes back to the front of
-WAITING. The placeholder rules of async scheduling live here too and are inert while
-placeholders are 0; the async layer only adds placeholders.
+WAITING. A waiting request whose `grammar_ready()` is False (its grammar is compiling) is
+skipped, keeping its place, without blocking the requests behind it. The placeholder rules
+of async scheduling live here too and are inert while placeholders are 0; the async layer
+only adds placeholders.
 """
 
 from __future__ import annotations
@@ -233,10 +235,14 @@ class ReferenceScheduler(TandemPlugin):
 
         # Next, schedule the WAITING requests, unless this step preempted.
         if not preempted:
+            skipped: list[Request] = []  # grammars still compiling: skipped, not blocking
             while self.waiting and token_budget > 0:
                 if len(self.running) >= self.max_num_running_reqs:
                     break
                 request = self.waiting.peek()
+                if request.grammar_ready is not None and not request.grammar_ready():
+                    skipped.append(self.waiting.pop())
+                    continue
                 hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
                 num_new_tokens = self._num_new_tokens(request, token_budget, num_hit_tokens)
                 if num_new_tokens <= 0:
@@ -258,6 +264,8 @@ class ReferenceScheduler(TandemPlugin):
                 scheduled_new.append(request)
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
+            for request in reversed(skipped):
+                self.waiting.prepend(request)
 
         self.step_id += 1
         output = SchedulerOutput(

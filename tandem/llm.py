@@ -14,7 +14,7 @@ from tandem.core.engine_core import EngineCore, set_engine_threads
 from tandem.core.executor import executor_class
 from tandem.core.output_processor import OutputProcessor
 from tandem.core.outputs import CompletionOutput, RequestOutput
-from tandem.core.request import Request
+from tandem.core.request import Request, RequestRejectedError
 from tandem.core.resolve import resolve_config
 from tandem.core.sampling_params import SamplingParams
 
@@ -94,7 +94,12 @@ class LLM:
             arrival_time=time.monotonic(),
             priority=priority,
         )
-        self.engine.add_request(request)
+        try:
+            self.engine.add_request(request)
+        except RequestRejectedError as exc:  # this request's own problem: report, go on
+            self.output_processor.add_request(rid, text, token_ids, request.arrival_time, params)
+            self.output_processor.fail(rid, str(exc))
+            return
         self.output_processor.add_request(rid, text, token_ids, request.arrival_time, params)
 
     def generate(
@@ -109,7 +114,10 @@ class LLM:
         A prompt is a string, a list of token ids or a dict with `prompt` or
         `prompt_token_ids`. `n > 1` runs n sequences that share the prompt's KV through
         prefix caching (seeded: sequence j uses seed + j). A bad prompt raises before any
-        generation; requests already added for this call are aborted.
+        generation; requests already added for this call are aborted. A request a plugin
+        rejects for a reason of its own (`RequestRejectedError`: e.g. a grammar its backend
+        cannot compile) finishes with `finish_reason == "error"` and `error` set; the
+        others run.
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)

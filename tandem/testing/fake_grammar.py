@@ -1,6 +1,6 @@
 """A grammar backend for tests: constrains tokens by a rule on the previous token.
 
-For a request with `SamplingParams(structured_outputs={"fake": {"modulus": m}})` the token
+For a request with `SamplingParams(structured_outputs={"custom": {"modulus": m}})` the token
 after `p` must satisfy `(token + p) % m == 0`. The mask depends on the request's latest
 token, so under async scheduling it is only right if the kernel defers the step's sampling
 until the previous step's tokens are applied (`pending_structured_output_tokens`): the
@@ -69,7 +69,7 @@ class FakeGrammar(TandemPlugin):
                 > len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())) + 1
             ):
                 raise AssertionError(f"{req_id}: bitmask requested before its tokens are known")
-            modulus = int(request.sampling_params.structured_outputs["fake"]["modulus"])
+            modulus = int(request.sampling_params.structured_outputs.custom["modulus"])
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
             history = request.all_token_ids
             for j in range(1 + len(drafts)):

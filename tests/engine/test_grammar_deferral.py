@@ -57,7 +57,7 @@ def run(async_scheduling: bool, **overrides: Any) -> tuple[dict[str, list[int]],
         async_scheduling=async_scheduling, plugins=PLUGINS, vocab_size=VOCAB, **settings
     )
     for i, (prompt, modulus) in enumerate(zip(PROMPTS, MODULI, strict=True)):
-        grammar = {"fake": {"modulus": modulus}} if modulus is not None else None
+        grammar = {"custom": {"modulus": modulus}} if modulus is not None else None
         engine.add_request(
             make_request(
                 str(i), prompt, EOS, max_tokens=10, ignore_eos=True, structured_outputs=grammar

@@ -1,0 +1,307 @@
+"""The structured-output plugin (role "grammar"): per-request grammar state and the batch
+bitmask, over the xgrammar or outlines-core backend.
+
+    plugins: [reference-scheduler, default-sampler, {name: structured-output,
+              options: {backend: xgrammar}}]
+
+Life of a constrained request:
+
+1. `add_request`: the backend is chosen (the request's `structured_outputs.backend`, else
+   the plugin's `backend` option, else `config.structured_output.backend`; `auto` means
+   xgrammar). Cheap checks run now and raise `RequestRejectedError` naming the field (an
+   unknown backend, EBNF on outlines-core, an unsupported regex feature). The grammar is
+   submitted to the compile pool (cached by (backend, spec)) and `request.grammar_ready`
+   is set: the scheduler leaves the request in WAITING, without blocking others, until
+   the grammar is compiled.
+2. `poll_finished_requests` (each drain point, on the engine thread): a finished compile
+   gives the request its matcher (it becomes ready); a compile error or a compile that
+   outlives `compile_timeout_s` ends that request with `finish_reason == "error"` and a
+   message naming the field and the backend.
+3. `grammar_bitmask`: one int32 bitmask for the step, `1 + drafts` rows per request of
+   `structured_output_request_ids`. A request without drafts gets its row in one batch
+   fill per backend. With drafts: fill row 0, accept draft 1, fill row 1, ..., fill the
+   bonus row, then roll the matcher back; from the first draft the grammar rejects the
+   rows stay all-ones (the verifier rejects at that draft, since the target obeys that
+   row's mask). Under async scheduling the scheduled drafts are `-1` placeholders; the
+   rows then use the drafts the worker reported in `kept_draft_token_ids` (padded with
+   token 0, as the worker pads), so they are the drafts the worker really verifies.
+4. `update_from_output` (after the scheduler, `trylast`): each matcher accepts the
+   request's new confirmed tokens, `all_token_ids[num_prompt_tokens + num_consumed:]`.
+   Drafts are never left accepted (step 3 rolls them back), so rejected drafts, stop
+   trimming and stale results after a preemption need nothing here: the confirmed prefix
+   is the truth. A matcher that terminates (accepted EOS) on a request that did not stop
+   ends it with "stop" at the next drain point.
+
+Invariant: a ready request's matcher state is exactly its confirmed output prefix
+(`num_consumed == num_output_tokens` after every `update_from_output`).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.core import hookimpl
+from tandem.core.config import EngineConfig
+from tandem.core.model_runner_output import ModelRunnerOutput
+from tandem.core.outputs import PluginFinish
+from tandem.core.plugin_manager import PluginConfigError, TandemPlugin
+from tandem.core.request import Request, RequestRejectedError, RequestStatus
+from tandem.core.scheduler_output import SchedulerOutput
+from tandem.structured_output.backend import (
+    BACKEND_NAMES,
+    GrammarBackend,
+    Matcher,
+    allocate_bitmask,
+)
+from tandem.structured_output.compile_pool import CompilePool
+
+
+@dataclass(slots=True, eq=False)
+class GrammarRequest:
+    """One constrained request: its compile future, then its matcher."""
+
+    request: Request
+    backend: GrammarBackend
+    future: Future[Any]
+    submitted: float
+    matcher: Matcher | None = None
+    #: Confirmed output tokens the matcher has accepted.
+    num_consumed: int = 0
+    #: The worker's drafts for the next step (async scheduling: `kept_draft_token_ids`).
+    drafts: list[int] = field(default_factory=list)
+
+    def is_ready(self) -> bool:
+        return self.matcher is not None
+
+
+class StructuredOutputManager(TandemPlugin):
+    """Owns per-request grammar state, the compile pool and cache, and the batch bitmask."""
+
+    role = "grammar"
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        backend: Literal["auto", "xgrammar", "outlines"] | None = Field(
+            None, description="default backend; None: config.structured_output.backend"
+        )
+        compile_timeout_s: float = Field(30.0, gt=0, description="a longer compile fails")
+        max_compile_workers: int = Field(2, ge=1)
+        cache_size: int = Field(256, ge=1, description="compiled grammars kept (LRU)")
+
+    def __init__(self, config: EngineConfig, options: BaseModel) -> None:
+        super().__init__(config, options)
+        assert isinstance(options, StructuredOutputManager.Options)
+        if config.model.model == "scripted":
+            raise PluginConfigError(
+                "structured-output: needs a model with a tokenizer (the scripted model has none)"
+            )
+        default = options.backend or config.structured_output.backend
+        self.default_backend = "xgrammar" if default == "auto" else default
+        self.compile_timeout_s = options.compile_timeout_s
+        self.vocab_size = int(config.model.vocab_size or 0)
+        self.eos_token_id = config.model.eos_token_id
+        self.pool = CompilePool(options.max_compile_workers, options.cache_size)
+        self._tokenizer: Any = None
+        self._backends: dict[str, GrammarBackend] = {}
+        self._states: dict[str, GrammarRequest] = {}
+        self._compiling: dict[str, GrammarRequest] = {}
+        self._finished: list[PluginFinish] = []
+
+    # Backends ----------------------------------------------------------------------------
+    def backend(self, name: str) -> GrammarBackend:
+        """The backend `name`, built on first use (imports the library lazily)."""
+        backend = self._backends.get(name)
+        if backend is None:
+            if self._tokenizer is None:
+                from tandem.core.model_files import load_tokenizer
+
+                model = self.config.model
+                self._tokenizer = load_tokenizer(Path(model.tokenizer or model.model))
+                if self._tokenizer is None:
+                    raise RequestRejectedError(
+                        f"structured_outputs: the model {model.model} has no tokenizer files"
+                    )
+            if self.vocab_size <= 0:
+                self.vocab_size = len(self._tokenizer)
+            if name == "xgrammar":
+                from tandem.structured_output.xgrammar_backend import XgrammarBackend
+
+                backend = XgrammarBackend(self._tokenizer, self.vocab_size, self.eos_token_id)
+            else:
+                from tandem.structured_output.outlines_backend import OutlinesBackend
+
+                backend = OutlinesBackend(self._tokenizer, self.vocab_size, self.eos_token_id)
+            self._backends[name] = backend
+        return backend
+
+    # Requests in and out -----------------------------------------------------------------
+    @hookimpl
+    def add_request(self, request: Request) -> None:
+        spec = request.sampling_params.structured_outputs
+        if spec is None:
+            return
+        rid = request.request_id
+        if spec.custom is not None:
+            raise RequestRejectedError(
+                f"request {rid}: structured_outputs.custom: the structured-output plugin "
+                f"takes json, regex, grammar, choice or json_object"
+            )
+        name = spec.backend or self.default_backend
+        if name not in BACKEND_NAMES:
+            raise RequestRejectedError(
+                f"request {rid}: structured_outputs.backend: unknown backend {name!r}; "
+                f"expected one of {', '.join(BACKEND_NAMES)}"
+            )
+        backend = self.backend(name)
+        try:
+            backend.check(spec)
+        except RequestRejectedError as exc:
+            raise RequestRejectedError(f"request {rid}: {exc}") from None
+        state = GrammarRequest(
+            request=request,
+            backend=backend,
+            future=self.pool.submit(backend, spec),
+            submitted=time.monotonic(),
+        )
+        self._states[rid] = state
+        self._compiling[rid] = state
+        request.grammar_ready = state.is_ready
+
+    @hookimpl
+    def abort_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        for rid in request_ids:
+            self._states.pop(rid, None)
+            self._compiling.pop(rid, None)
+
+    def _fail(self, rid: str, message: str) -> None:
+        self._states.pop(rid, None)
+        self._compiling.pop(rid, None)
+        self._finished.append(PluginFinish(rid, "error", f"request {rid}: {message}"))
+
+    @hookimpl
+    def poll_finished_requests(self) -> list[PluginFinish] | None:
+        if self._compiling:
+            now = time.monotonic()
+            for rid, state in list(self._compiling.items()):
+                spec = state.request.sampling_params.structured_outputs
+                assert spec is not None
+                where = f"structured_outputs.{spec.kind}"
+                if state.future.done():
+                    del self._compiling[rid]
+                    error = state.future.exception()
+                    if error is not None:
+                        self._fail(
+                            rid,
+                            f"{where}: the {state.backend.name} backend could not compile "
+                            f"it: {str(error).strip()}",
+                        )
+                    else:
+                        state.matcher = state.backend.matcher(state.future.result())
+                elif now - state.submitted > self.compile_timeout_s:
+                    self.pool.forget(state.future)
+                    state.future.cancel()
+                    self._fail(
+                        rid,
+                        f"{where}: the {state.backend.name} backend did not compile it within "
+                        f"compile_timeout_s={self.compile_timeout_s:g} s",
+                    )
+        if not self._finished:
+            return None
+        finished, self._finished = self._finished, []
+        return finished
+
+    # The bitmask -------------------------------------------------------------------------
+    @hookimpl
+    def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
+        req_ids = scheduler_output.structured_output_request_ids
+        if not req_ids:
+            return None
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        num_rows = sum(1 + len(spec_tokens.get(rid, ())) for rid in req_ids)
+        bitmask = allocate_bitmask(num_rows, self.vocab_size)
+        batches: dict[str, tuple[GrammarBackend, list[Matcher], list[int]]] = {}
+        row = 0
+        for rid in req_ids:
+            drafts = spec_tokens.get(rid, ())
+            state = self._states.get(rid)
+            matcher = state.matcher if state is not None else None
+            if state is not None and matcher is not None and not matcher.is_terminated():
+                if drafts:
+                    self._fill_spec_rows(state, matcher, list(drafts), bitmask, row)
+                else:
+                    _, matchers, rows = batches.setdefault(
+                        state.backend.name, (state.backend, [], [])
+                    )
+                    matchers.append(matcher)
+                    rows.append(row)
+            row += 1 + len(drafts)
+        for backend, matchers, rows in batches.values():
+            backend.fill_bitmasks(matchers, bitmask, rows)
+        return bitmask
+
+    @staticmethod
+    def _fill_spec_rows(
+        state: GrammarRequest,
+        matcher: Matcher,
+        scheduled: list[int],
+        bitmask: torch.Tensor,
+        row: int,
+    ) -> None:
+        """Rows for a request verifying drafts: fill, accept a draft, fill, ..., then roll
+        the matcher back to the confirmed prefix."""
+        k = len(scheduled)
+        if scheduled[0] < 0:  # async placeholders: the worker verifies its own drafts
+            drafts = state.drafts[:k]
+            drafts = drafts + [0] * (k - len(drafts))
+        else:
+            drafts = scheduled
+        matcher.fill_bitmask(bitmask, row)
+        accepted = 0
+        for j, token in enumerate(drafts):
+            if token < 0 or not matcher.accept_token(token):
+                break  # the verifier rejects here: later rows are never used
+            accepted += 1
+            if matcher.is_terminated():
+                break
+            matcher.fill_bitmask(bitmask, row + j + 1)
+        matcher.rollback(accepted)
+
+    # Results -----------------------------------------------------------------------------
+    @hookimpl(trylast=True)
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> None:
+        kept = model_runner_output.kept_draft_token_ids
+        if kept:
+            for rid, drafts in kept.items():
+                state = self._states.get(rid)
+                if state is not None:
+                    state.drafts = drafts
+        for rid in scheduler_output.structured_output_request_ids:
+            state = self._states.get(rid)
+            if state is None or state.matcher is None:
+                continue
+            request = state.request
+            if request.is_finished:
+                del self._states[rid]
+                continue
+            start = request.num_prompt_tokens + state.num_consumed
+            new_tokens = request.all_token_ids[start:]
+            for token in new_tokens:
+                if not state.matcher.accept_token(token):
+                    self._fail(rid, f"token {token} violates the grammar (a sampler ignored it)")
+                    break
+            else:
+                state.num_consumed += len(new_tokens)
+                if state.matcher.is_terminated():
+                    del self._states[rid]
+                    self._finished.append(PluginFinish(rid, "stop"))
+        return None

@@ -1,0 +1,218 @@
+"""The structured-output plugin on its own: compile off the hot path (readiness, cache,
+errors, time-outs), the batch bitmask with spec rows (sync drafts, async placeholders with
+the worker's kept drafts, padding, rejected drafts) and matcher advance from the ledger."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from so_helpers import SCHEMA, allowed, fill
+
+from tandem import SamplingParams
+from tandem.core.config import EngineConfig
+from tandem.core.model_runner_output import ModelRunnerOutput
+from tandem.core.request import Request, RequestRejectedError
+from tandem.core.scheduler_output import SchedulerOutput
+from tandem.structured_output.backend import allocate_bitmask
+from tandem.structured_output.manager import StructuredOutputManager
+
+VOCAB = 49152
+
+
+class BlockingBackend:
+    """Occupies a compile worker until released."""
+
+    name = "blocking"
+
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+
+    def compile(self, spec: Any) -> None:
+        self.release.wait(30)
+
+
+def make_manager(config: EngineConfig, **options: Any) -> StructuredOutputManager:
+    return StructuredOutputManager(config, StructuredOutputManager.Options(**options))
+
+
+def constrained(rid: str, **spec: Any) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=[1, 2, 3],
+        sampling_params=SamplingParams(temperature=0, structured_outputs=spec),
+        eos_token_id=2,
+    )
+
+
+def wait_ready(manager: StructuredOutputManager, *requests: Request) -> list:
+    finished = []
+    deadline = time.monotonic() + 30
+    while not all(r.grammar_ready() for r in requests if r.request_id in manager._states):
+        finished += manager.poll_finished_requests() or []
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    return finished
+
+
+def step(rids: list[str], spec: dict[str, list[int]] | None = None) -> SchedulerOutput:
+    return SchedulerOutput(
+        step_id=1,
+        num_scheduled_tokens=dict.fromkeys(rids, 1),
+        scheduled_spec_decode_tokens=spec or {},
+        structured_output_request_ids=list(rids),
+    )
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+def test_request_becomes_ready_once_compiled_and_the_cache_shares_compiles(
+    smollm2_config: EngineConfig, backend: str
+) -> None:
+    manager = make_manager(smollm2_config, backend=backend)
+    a, b = constrained("a", json=SCHEMA), constrained("b", json=SCHEMA)
+    manager.add_request(a)
+    manager.add_request(b)
+    assert a.grammar_ready is not None and not a.grammar_ready()  # not before a poll
+    assert wait_ready(manager, a, b) == []
+    assert manager.pool.num_compiles == 1
+    assert manager._states["a"].backend.name == backend
+
+
+def test_spec_rows_fill_accept_fill_then_roll_back(
+    smollm2_config: EngineConfig, tokenizer: Any
+) -> None:
+    manager = make_manager(smollm2_config)
+    request = constrained("r", json=SCHEMA)
+    manager.add_request(request)
+    wait_ready(manager, request)
+    good = tokenizer.encode('{"x":')
+    bad = tokenizer.encode("hello")[0]
+    drafts = [good[0], good[1], bad]  # the third is rejected by the grammar
+    bitmask = manager.grammar_bitmask(step(["r"], {"r": drafts}))
+    assert bitmask is not None and bitmask.shape == (4, (VOCAB + 31) // 32)
+    matcher = manager._states["r"].matcher
+    rows = [fill(matcher, VOCAB)]
+    for token in drafts[:2]:
+        assert matcher.accept_token(token)
+        rows.append(fill(matcher, VOCAB))
+    matcher.rollback(2)
+    assert [allowed(bitmask, i, VOCAB) for i in range(3)] == rows
+    assert bool((bitmask[3] == -1).all())  # after the rejected draft: never used
+    assert fill(matcher, VOCAB) == rows[0]  # rolled back to the confirmed prefix
+
+
+def test_async_placeholder_rows_use_the_workers_kept_drafts_padded_with_zero(
+    smollm2_config: EngineConfig, tokenizer: Any
+) -> None:
+    manager = make_manager(smollm2_config)
+    request = constrained("r", regex="[0-9]+")
+    manager.add_request(request)
+    wait_ready(manager, request)
+    digits = tokenizer.encode("1")[0], tokenizer.encode("2")[0]
+    # The step before: the scheduler appended "1"; the worker keeps one draft ("2").
+    request.all_token_ids.append(digits[0])
+    output = ModelRunnerOutput(
+        req_ids=["r"],
+        req_id_to_index={"r": 0},
+        sampled_token_ids=[[digits[0]]],
+        kept_draft_token_ids={"r": [digits[1]]},
+    )
+    manager.update_from_output(step(["r"]), output)
+    assert manager._states["r"].num_consumed == 1
+    bitmask = manager.grammar_bitmask(step(["r"], {"r": [-1, -1]}))
+    assert bitmask is not None and bitmask.shape[0] == 3
+    matcher = manager._states["r"].matcher
+    first = fill(matcher, VOCAB)
+    assert allowed(bitmask, 0, VOCAB) == first
+    assert allowed(bitmask, 1, VOCAB) == first  # after "2" digits still follow
+    assert bool((bitmask[2] == -1).all())  # padding token 0 is not a digit: rejected
+    assert 0 not in first
+
+
+def test_matcher_follows_the_confirmed_prefix_and_terminates(
+    smollm2_config: EngineConfig, tokenizer: Any
+) -> None:
+    manager = make_manager(smollm2_config, backend="outlines")
+    request = constrained("r", choice=["yes", "no"])
+    request.sampling_params.ignore_eos = True  # the scheduler would not stop at EOS
+    manager.add_request(request)
+    wait_ready(manager, request)
+    so = step(["r"])
+    tokens = [*tokenizer.encode("yes"), 2]
+    request.all_token_ids.extend(tokens)
+    manager.update_from_output(so, ModelRunnerOutput(req_ids=["r"]))
+    finished = manager.poll_finished_requests()
+    assert finished is not None and [(f.request_id, f.finish_reason) for f in finished] == [
+        ("r", "stop")
+    ]
+    assert "r" not in manager._states
+
+
+def test_a_token_outside_the_grammar_fails_only_that_request(
+    smollm2_config: EngineConfig, tokenizer: Any
+) -> None:
+    manager = make_manager(smollm2_config)
+    bad, good = constrained("bad", regex="[0-9]+"), constrained("good", regex="[0-9]+")
+    manager.add_request(bad)
+    manager.add_request(good)
+    wait_ready(manager, bad, good)
+    bad.all_token_ids.append(tokenizer.encode("x")[0])
+    good.all_token_ids.append(tokenizer.encode("7")[0])
+    manager.update_from_output(step(["bad", "good"]), ModelRunnerOutput())
+    finished = manager.poll_finished_requests() or []
+    assert [(f.request_id, f.finish_reason) for f in finished] == [("bad", "error")]
+    assert "violates the grammar" in (finished[0].error or "")
+    assert manager._states["good"].num_consumed == 1
+
+
+def test_compile_error_and_time_out_fail_their_request(smollm2_config: EngineConfig) -> None:
+    manager = make_manager(smollm2_config)
+    broken = constrained("broken", json={"type": "nonsense"})
+    manager.add_request(broken)
+    deadline = time.monotonic() + 30
+    finished: list = []
+    while not finished:
+        finished = manager.poll_finished_requests() or []
+        assert time.monotonic() < deadline
+    assert finished[0].request_id == "broken" and finished[0].finish_reason == "error"
+    assert "structured_outputs.json" in finished[0].error and "xgrammar" in finished[0].error
+    assert not broken.grammar_ready()
+
+    slow = make_manager(smollm2_config, compile_timeout_s=0.01, max_compile_workers=1)
+    release = threading.Event()
+    blocker = slow.pool.submit(BlockingBackend(release), broken.sampling_params.structured_outputs)
+    request = constrained("slow", json=SCHEMA)
+    slow.add_request(request)  # queued behind the blocked worker: cannot finish in time
+    time.sleep(0.05)
+    timed_out = slow.poll_finished_requests() or []
+    release.set()
+    blocker.result()
+    assert [(f.request_id, f.finish_reason) for f in timed_out] == [("slow", "error")]
+    assert "compile_timeout_s" in (timed_out[0].error or "")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"json": SCHEMA, "backend": "nope"}, "structured_outputs.backend: unknown backend 'nope'"),
+        ({"grammar": 'root ::= "a"', "backend": "outlines"}, "use backend 'xgrammar'"),
+        ({"regex": "(?!a)b"}, "unsupported regex feature"),
+        ({"custom": {"modulus": 3}}, "structured_outputs.custom"),
+    ],
+)
+def test_synchronous_errors_name_the_field(
+    smollm2_config: EngineConfig, spec: dict, message: str
+) -> None:
+    manager = make_manager(smollm2_config)
+    with pytest.raises(RequestRejectedError, match=message.replace("(", r"\(")):
+        manager.add_request(constrained("r", **spec))
+    assert "r" not in manager._states
+
+
+def test_no_constrained_request_no_bitmask(smollm2_config: EngineConfig) -> None:
+    manager = make_manager(smollm2_config)
+    assert manager.grammar_bitmask(step([])) is None
+    assert isinstance(allocate_bitmask(1, VOCAB), torch.Tensor)

@@ -179,9 +179,17 @@ class WorkerHookSpecs:
     def propose_drafts(self, context: DraftContext) -> list[list[int]] | None:
         """Propose draft tokens for the next step.
 
-        Caller: the model runner, after sampling. First result wins. Returns one list per
+        Caller: the model runner, after sampling, once per step in step order (also for a
+        step whose requests were all prefill chunks). First result wins. Returns one list per
         request in `context.req_ids` (possibly empty), at most `context.num_spec_tokens`
-        long, or None when this plugin does not draft.
+        long, or None when this plugin does not draft. `context.req_ids` holds every
+        request of the step: those that did not sample (`sampled_token_ids` empty) get no
+        drafts (their proposals are dropped), but a model-based drafter sees their tokens,
+        the target's hidden states (if its class sets `needs_hidden_states = True`) and
+        the step's batch to keep its own KV in step with the target's. A drafter frees its
+        state for `context.finished_req_ids`; the target's KV layout (block ids, slot
+        mapping) may index a drafter-owned pool, whose slots past a request's valid tokens
+        are the drafter's to overwrite.
         """
 
 

@@ -2,19 +2,41 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from tandem.core.worker.flat_batch import FlatBatch
 
 
 @dataclass(slots=True)
 class DraftContext:
-    """Inputs for a drafter.
+    """Inputs for a drafter, one entry per request of the step (in `batch` order).
 
     `token_ids[i]` is request i's full known history including the tokens sampled this
-    step; `sampled_token_ids[i]` the tokens accepted this step (empty for a prefill chunk,
-    which gets no drafts). `hidden_states` is the target's last hidden state at each
-    request's last accepted position, when the runner provides it.
+    step; `sampled_token_ids[i]` the tokens accepted this step: accepted drafts plus the
+    sampled one, empty for a prefill chunk that did not sample (it gets no drafts, but a
+    model-based drafter still sees its tokens, to build its own KV over the whole prompt).
+
+    Model-based drafters also get the step itself:
+
+    - `target`: the runner's `StepModel` (for an HF target, `HFStepModel`: embedding, LM
+      head, rotary, device, dtype);
+    - `batch`: the step's `FlatBatch`; request i is `batch.req_ids[batch_index[i]]`, its
+      rows are `batch.query_start_loc[batch_index[i]]` onwards, at positions from
+      `num_computed_tokens[i]`;
+    - `num_valid_tokens[i]`: how many of request i's scheduled rows are now history
+      (scheduled tokens minus verified drafts plus accepted drafts); rows after them were
+      rejected drafts. For a sampling request the valid rows end at position
+      `len(token_ids[i]) - 2` (the bonus token is not computed yet);
+    - `block_ids[i]`: request i's KV blocks (the target's; a drafter-owned pool of the same
+      block layout may be indexed with them, and with `batch.slot_mapping`);
+    - `hidden_states`: the target's last hidden states after the final norm, `[T, hidden]`
+      for every flattened row of `batch`, only when the stack's drafter declares
+      `needs_hidden_states = True` (no cost otherwise);
+    - `finished_req_ids`: requests finished or preempted since the previous call; a
+      drafter frees their state.
     """
 
     req_ids: list[str]
@@ -22,3 +44,10 @@ class DraftContext:
     sampled_token_ids: list[list[int]]
     num_spec_tokens: int
     hidden_states: torch.Tensor | None = None
+    target: Any = None
+    batch: FlatBatch | None = None
+    batch_index: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    num_valid_tokens: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)

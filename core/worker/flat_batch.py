@@ -10,7 +10,7 @@ samples this step (a prefill chunk that does not reach the end of its known toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,9 @@ class FlatBatch:
     num_draft_tokens: list[int]  # drafts verified, per sampling request
     draft_token_ids: list[int]  # flattened drafts of the sampling requests
     block_size: int
+    #: Host copies, per request: the position of its first scheduled token, and its count.
+    num_computed_tokens: list[int] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -103,4 +106,6 @@ def build_flat_batch(
         num_draft_tokens=num_draft_tokens,
         draft_token_ids=draft_ids,
         block_size=block_size,
+        num_computed_tokens=list(num_computed),
+        num_scheduled_tokens=list(num_scheduled),
     )

@@ -36,6 +36,10 @@ def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:  # noqa: ANN001
 
 
 class HFStepModel:
+    """With `keep_hidden_states` set (by a runner whose drafter reads them), `forward` also
+    leaves the last hidden states after the final norm, `[T, hidden]` for every flattened
+    token, in `last_hidden_states` (the runner takes them right after the call)."""
+
     def __init__(
         self,
         model_dir: Path,
@@ -68,6 +72,8 @@ class HFStepModel:
         if decode_kernel is not None and (dtype != torch.float32 or device.type != "cpu"):
             raise ValueError("the CPU decode kernel needs float32 weights on the CPU")
         self.decode_kernel = decode_kernel
+        self.keep_hidden_states = False
+        self.last_hidden_states: torch.Tensor | None = None
         value_shape = (num_blocks, block_size, cfg.num_key_value_heads, head_dim)
         key_shape = (
             (num_blocks, cfg.num_key_value_heads, head_dim, block_size)
@@ -106,5 +112,7 @@ class HFStepModel:
                 use_cache=False,
                 paged=meta,
             ).last_hidden_state[0]
+        if self.keep_hidden_states:
+            self.last_hidden_states = hidden
         sampled = hidden.index_select(0, batch.logits_indices)
         return self.lm_head(sampled).float().contiguous()

@@ -87,6 +87,7 @@ class ModelRunner:
         block_size: int,
         num_spec_tokens: int,
         async_scheduling: bool = False,
+        keep_hidden_states: bool = False,
     ) -> None:
         self.model = model
         self.hooks = hooks
@@ -107,7 +108,21 @@ class ModelRunner:
         )
         self.requests: dict[str, RunnerRequestState] = {}
         self.input_batch = InputBatch(max_num_reqs=64)
-        self._pending: list[tuple[SchedulerOutput, FlatBatch, torch.Tensor]] = []
+        #: Executed, not yet sampled steps: (output, batch, logits, hidden states or None).
+        self._pending: list[
+            tuple[SchedulerOutput, FlatBatch, torch.Tensor, torch.Tensor | None]
+        ] = []
+        #: The drafter reads the target's last hidden states (`DraftContext.hidden_states`).
+        self.keep_hidden_states = keep_hidden_states
+        if keep_hidden_states:
+            if not hasattr(model, "keep_hidden_states"):
+                raise ValueError(
+                    f"the drafter needs the target's hidden states, which "
+                    f"{type(model).__name__} does not provide"
+                )
+            model.keep_hidden_states = True
+        #: Requests finished or preempted since the drafter last ran (it frees their state).
+        self._finished_for_drafter: list[str] = []
         #: The drafter's last proposal per request. Under async scheduling the scheduler
         #: schedules `-1` draft placeholders and the real drafts never leave the worker.
         self.drafts: dict[str, list[int]] = {}
@@ -117,6 +132,8 @@ class ModelRunner:
             self.requests.pop(req_id, None)
             self.drafts.pop(req_id, None)
             self.input_batch.remove(req_id)
+            if self.num_spec_tokens:
+                self._finished_for_drafter.append(req_id)
         for new in so.scheduled_new_reqs:
             self.input_batch.add(new.req_id, new.sampling_params)
             self.requests[new.req_id] = RunnerRequestState(
@@ -156,7 +173,10 @@ class ModelRunner:
         if self.prev_sampled_token_ids is not None:
             self._fill_sampled_inputs(batch, states, num_scheduled)
         logits = self.model.forward(batch) if batch.num_tokens else torch.zeros(0, 1)
-        self._pending.append((so, batch, logits))
+        hidden = None
+        if self.keep_hidden_states and batch.num_tokens:
+            hidden, self.model.last_hidden_states = self.model.last_hidden_states, None
+        self._pending.append((so, batch, logits, hidden))
 
     def _fill_sampled_inputs(
         self, batch: FlatBatch, states: list[RunnerRequestState], num_scheduled: list[int]
@@ -307,7 +327,7 @@ class ModelRunner:
     def sample_tokens(
         self, grammar_bitmask: torch.Tensor | None = None
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        so, batch, logits = self._pending.pop(0)
+        so, batch, logits, hidden = self._pending.pop(0)
         result: SamplerOutput | None = None
         if batch.sample_req_indices:
             if grammar_bitmask is not None:
@@ -342,7 +362,7 @@ class ModelRunner:
                     sampled_rows,
                     result.logprobs,
                 )
-        drafts = self._propose_drafts(batch, sampled_rows)
+        drafts = self._propose_drafts(batch, sampled_rows, hidden)
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
@@ -427,22 +447,47 @@ class ModelRunner:
         )
 
     def _propose_drafts(
-        self, batch: FlatBatch, sampled_rows: list[list[int]]
+        self, batch: FlatBatch, sampled_rows: list[list[int]], hidden: torch.Tensor | None
     ) -> dict[str, list[int]] | None:
+        """Ask the drafter for the next step's drafts. It sees every request of the step
+        (prefill chunks that did not sample with empty `sampled_token_ids`); only the
+        sampling requests' proposals are kept and returned."""
         if self.num_spec_tokens == 0:
             return None
-        req_ids = [batch.req_ids[r] for r in batch.sample_req_indices]
+        indices = [r for r, req_id in enumerate(batch.req_ids) if req_id in self.requests]
+        req_ids = [batch.req_ids[r] for r in indices]
+        states = [self.requests[r] for r in req_ids]
+        num_drafts = dict(zip(batch.sample_req_indices, batch.num_draft_tokens, strict=True))
+        counts = batch.num_scheduled_tokens
+        valid = [
+            counts[r] - num_drafts[r] + max(len(sampled_rows[r]) - 1, 0)
+            if r in num_drafts
+            else counts[r]
+            for r in indices
+        ]
+        finished, self._finished_for_drafter = self._finished_for_drafter, []
         context = DraftContext(
             req_ids=req_ids,
-            token_ids=[self.requests[r].token_ids for r in req_ids],
-            sampled_token_ids=[sampled_rows[r] for r in batch.sample_req_indices],
+            token_ids=[s.token_ids for s in states],
+            sampled_token_ids=[sampled_rows[r] for r in indices],
             num_spec_tokens=self.num_spec_tokens,
+            hidden_states=hidden,
+            target=self.model,
+            batch=batch,
+            batch_index=indices,
+            num_computed_tokens=[batch.num_computed_tokens[r] for r in indices],
+            num_valid_tokens=valid,
+            block_ids=[s.block_ids for s in states],
+            finished_req_ids=finished,
         )
         proposed = self.hooks.propose_drafts(context=context)
         if proposed is None:
             return {}
+        sampling = set(batch.sample_req_indices)
         drafts = {
-            r: list(d[: self.num_spec_tokens]) for r, d in zip(req_ids, proposed, strict=True)
+            req_id: list(d[: self.num_spec_tokens])
+            for r, req_id, d in zip(indices, req_ids, proposed, strict=True)
+            if r in sampling
         }
         self.drafts.update(drafts)
         return drafts

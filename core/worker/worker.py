@@ -27,6 +27,10 @@ class Worker:
             block_size=config.cache.block_size,
             num_spec_tokens=config.num_spec_tokens,
             async_scheduling=bool(config.scheduler.async_scheduling),
+            keep_hidden_states=any(
+                getattr(p, "needs_hidden_states", False)
+                for p in self.plugin_manager.plugins_with_role("drafter")
+            ),
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:

@@ -4,10 +4,14 @@ Per row: grammar bitmask, penalties (presence, frequency, repetition), then gree
 when temperature is 0, else temperature, top-k, top-p, min-p and a Gumbel-max draw. The
 Gumbel noise of a seeded row is a counter-based hash of (seed, output position, token id),
 so a seeded request samples the same tokens in any batch and under sync or async
-scheduling. Draft verification: each row samples its target token independently; a
-request keeps its drafts while they equal the targets, then one more target token. For a
-deterministic drafter this is exact rejection sampling (accept with probability p(draft);
-on rejection the target is distributed as p without the draft, renormalised).
+scheduling. Draft verification is `tandem.spec_decode.rejection_sampler`: for a
+deterministic drafter (`metadata.draft_probs` None) each row samples its own token and a
+request keeps its drafts while they equal them, then one more (exact rejection sampling with
+a one-hot q, and a seeded request emits the same tokens with or without drafts); for a
+drafter with probabilities q, accept with min(1, p/q) against the processed target p
+(after penalties, bitmask, temperature, top-k/p, min-p; greedy rows as one-hot p), where a
+seeded row's acceptance uniform comes from its own stream (a salted seed) and its residual
+and bonus draws from the (seed, output position) Gumbel noise of ordinary sampling.
 """
 
 from __future__ import annotations
@@ -18,11 +22,15 @@ from tandem.core import hookimpl
 from tandem.core.model_runner_output import SamplerOutput
 from tandem.core.plugin_manager import TandemPlugin
 from tandem.core.worker.sampling_metadata import SamplingMetadata
+from tandem.spec_decode.rejection_sampler import rejection_sample
 
 _MASK53 = (1 << 53) - 1
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
 _MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+#: XORed into a seed for the acceptance uniforms of draft verification: a stream
+#: independent of the (seed, position) Gumbel noise of the sampled tokens.
+_ACCEPT_STREAM = 0x5A17_ACCE_97ED
 
 
 def _logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -142,11 +150,17 @@ class DefaultSampler(TandemPlugin):
         if metadata.blocked_tokens is not None:
             rows, tokens = metadata.blocked_tokens
             logits[rows.to(logits.device), tokens.to(logits.device)] = float("-inf")
-        targets = self._sample_rows(logits, metadata)
+        if metadata.draft_probs is None or not any(metadata.num_draft_tokens):
+            # Each row's own draw; a deterministic drafter's drafts are verified against
+            # them (the one-hot-q case of rejection sampling, coupled to the draws).
+            targets = self._sample_rows(logits, metadata)
+            sampled = rejection_sample(targets, metadata.draft_token_ids, metadata.num_draft_tokens)
+        else:
+            sampled, targets = self._rejection_sample(logits, metadata)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = self._logprobs(raw_logprobs, targets, metadata.max_num_logprobs or 0)
-        return SamplerOutput(sampled_token_ids=self._verify(targets, metadata), logprobs=logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod
     def _logprobs(
@@ -169,42 +183,68 @@ class DefaultSampler(TandemPlugin):
         greedy = logits.argmax(dim=1)
         if metadata.all_greedy:
             return greedy
+        scaled = self._scaled(logits, metadata)
+        drawn = (scaled + self._gumbel(metadata, *scaled.shape)).argmax(dim=1)
+        return torch.where(metadata.temperature > 0, drawn, greedy)
+
+    @staticmethod
+    def _scaled(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Temperature-scaled logits with -inf outside top-k, top-p and min-p."""
         temperature = metadata.temperature
         scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
-        scaled = filter_top_k_top_p_min_p(scaled, metadata.top_k, metadata.top_p, metadata.min_p)
-        rows, vocab = scaled.shape
-        uniform = torch.rand((rows, vocab), generator=self.generator).to(scaled.device)
+        return filter_top_k_top_p_min_p(scaled, metadata.top_k, metadata.top_p, metadata.min_p)
+
+    def _uniform(
+        self, metadata: SamplingMetadata, rows: int, vocab: int, salt: int = 0
+    ) -> torch.Tensor:
+        """`[rows, vocab]` uniforms: seeded rows from (seed ^ salt, output position), the
+        others from the sampler's generator."""
+        device = metadata.temperature.device
+        uniform = torch.rand((rows, vocab), generator=self.generator).to(device)
         seeded = metadata.seeds >= 0
         if bool(seeded.any()):
             idx = seeded.nonzero().squeeze(1)
             uniform[idx] = seeded_uniform(
-                metadata.seeds[idx], metadata.output_positions[idx], vocab
+                metadata.seeds[idx] ^ salt, metadata.output_positions[idx], vocab
             )
-        gumbel = -torch.log(-torch.log(uniform.clamp(1e-12, 1.0 - 1e-7)))
-        drawn = (scaled + gumbel).argmax(dim=1)
-        return torch.where(temperature > 0, drawn, greedy)
+        return uniform
 
-    @staticmethod
-    def _verify(targets: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """`[num_requests, 1 + max_drafts]`: accepted drafts then one target, -1 padded."""
-        num_drafts = metadata.num_draft_tokens
-        max_k = max(num_drafts, default=0)
-        if max_k == 0:
-            return targets[:, None]
-        device = targets.device
-        counts = torch.tensor(num_drafts, dtype=torch.int64, device=device)
-        starts = torch.cumsum(counts + 1, 0) - (counts + 1)
-        j = torch.arange(max_k + 1, device=device)
-        valid = j[None, :] <= counts[:, None]
-        index = (starts[:, None] + j[None, :]).clamp(max=targets.numel() - 1)
-        grid = torch.where(valid, targets[index], -1)
-        draft_grid = torch.full((len(num_drafts), max_k), -2, dtype=torch.int64, device=device)
-        draft_start = torch.cumsum(counts, 0) - counts
-        dvalid = j[None, :max_k] < counts[:, None]
-        didx = (draft_start[:, None] + j[None, :max_k]).clamp(
-            max=max(metadata.draft_token_ids.numel() - 1, 0)
+    def _gumbel(self, metadata: SamplingMetadata, rows: int, vocab: int) -> torch.Tensor:
+        uniform = self._uniform(metadata, rows, vocab)
+        return -torch.log(-torch.log(uniform.clamp(1e-12, 1.0 - 1e-7)))
+
+    def _rejection_sample(
+        self, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts verified by exact rejection sampling against the processed p.
+
+        Returns (`[num_requests, 1 + max_drafts]` accepted drafts then one token, -1
+        padded; the token emitted at each row, for logprobs: the row's own draw where the
+        request emitted nothing there)."""
+        greedy = logits.argmax(dim=1)
+        scaled = self._scaled(logits, metadata)
+        rows, vocab = scaled.shape
+        gumbel = self._gumbel(metadata, rows, vocab)
+        is_greedy = metadata.temperature <= 0
+        bonus = torch.where(is_greedy, greedy, (scaled + gumbel).argmax(dim=1))
+        probs = scaled.softmax(dim=1)
+        probs = torch.where(
+            is_greedy[:, None], torch.nn.functional.one_hot(greedy, vocab).to(probs.dtype), probs
         )
-        if metadata.draft_token_ids.numel():
-            draft_grid = torch.where(dvalid, metadata.draft_token_ids.to(device)[didx], -2)
-        accepted = (grid[:, :max_k] == draft_grid).to(torch.int64).cumprod(dim=1).sum(dim=1)
-        return torch.where(j[None, :] <= accepted[:, None], grid, -1)
+        accept_uniform = self._uniform(metadata, rows, 1, salt=_ACCEPT_STREAM)[:, 0]
+        sampled = rejection_sample(
+            target_token_ids=bonus,
+            target_probs=probs,
+            draft_token_ids=metadata.draft_token_ids,
+            num_draft_tokens=metadata.num_draft_tokens,
+            draft_probs=metadata.draft_probs,
+            accept_uniform=accept_uniform,
+            recovery_gumbel=gumbel,
+        )
+        counts = torch.tensor(metadata.num_draft_tokens, dtype=torch.int64, device=bonus.device)
+        starts = torch.cumsum(counts + 1, 0) - (counts + 1)
+        row_of = starts[:, None] + torch.arange(sampled.shape[1], device=bonus.device)[None, :]
+        emitted = sampled >= 0
+        targets = bonus.clone()
+        targets[row_of[emitted]] = sampled[emitted]
+        return sampled, targets

@@ -40,3 +40,7 @@ class SamplingMetadata:
     blocked_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
     grammar_bitmask: torch.Tensor | None = None
     max_num_logprobs: int | None = None
+    #: The drafter's distribution q `[num_drafts, vocab]` at each draft (rows in
+    #: `draft_token_ids` order), for exact rejection sampling; None for a deterministic
+    #: drafter (q is one-hot at the draft).
+    draft_probs: torch.Tensor | None = None

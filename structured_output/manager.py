@@ -114,6 +114,10 @@ class StructuredOutputManager(TandemPlugin):
         self._states: dict[str, GrammarRequest] = {}
         self._compiling: dict[str, GrammarRequest] = {}
         self._finished: list[PluginFinish] = []
+        #: Steps a bitmask was built for; of those, deferred ones (async); draft rows filled.
+        self.num_bitmask_steps = 0
+        self.num_deferred_steps = 0
+        self.num_draft_rows = 0
 
     # Backends ----------------------------------------------------------------------------
     def backend(self, name: str) -> GrammarBackend:
@@ -226,6 +230,9 @@ class StructuredOutputManager(TandemPlugin):
             return None
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         num_rows = sum(1 + len(spec_tokens.get(rid, ())) for rid in req_ids)
+        self.num_bitmask_steps += 1
+        self.num_deferred_steps += scheduler_output.pending_structured_output_tokens
+        self.num_draft_rows += num_rows - len(req_ids)
         bitmask = allocate_bitmask(num_rows, self.vocab_size)
         batches: dict[str, tuple[GrammarBackend, list[Matcher], list[int]]] = {}
         row = 0

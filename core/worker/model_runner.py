@@ -261,16 +261,22 @@ class ModelRunner:
         prompts: list[list[int]] = []
         blocked_rows: list[int] = []
         blocked_ids: list[int] = []
+        draft_end = 0
         for state, k in zip(states, batch.num_draft_tokens, strict=True):
             row = self.input_batch.req_id_to_row[state.req_id]
+            # Row j is only used when drafts[:j] are accepted, i.e. are its real history:
+            # penalties and bad words see them (vLLM's update_async_spec_token_ids).
+            drafts = batch.draft_token_ids[draft_end : draft_end + k]
+            draft_end += k
+            output = state.token_ids[state.num_prompt_tokens :]
             for j in range(k + 1):
-                for token in self._blocked_tokens(state, j):
+                for token in self._blocked_tokens(state, j, drafts[:j]):
                     blocked_rows.append(len(rows))
                     blocked_ids.append(token)
                 rows.append(row)
                 positions.append(state.num_output_tokens + j)
                 if need_history:
-                    histories.append(state.token_ids[state.num_prompt_tokens :])
+                    histories.append(output + drafts[:j] if j else output)
                     prompts.append(state.token_ids[: state.num_prompt_tokens])
         device = self.model.device
         index = torch.tensor(rows, dtype=torch.int64)
@@ -306,10 +312,13 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _blocked_tokens(state: RunnerRequestState, offset: int) -> list[int]:
+    def _blocked_tokens(
+        state: RunnerRequestState, offset: int, drafts: list[int] | None = None
+    ) -> list[int]:
         """Tokens the row sampling output `num_output_tokens + offset` must not produce:
         EOS and stop tokens before `min_tokens`, and the last token of each bad word whose
-        other tokens end the history."""
+        other tokens end the history (the outputs followed by the row's preceding
+        `drafts`)."""
         params = state.sampling_params
         blocked: list[int] = []
         if state.num_output_tokens + offset < params.min_tokens:
@@ -317,7 +326,7 @@ class ModelRunner:
                 blocked.append(state.eos_token_id)
             blocked.extend(params.stop_token_ids)
         if params.bad_words_token_ids:
-            history = state.token_ids[state.num_prompt_tokens :]
+            history = state.token_ids[state.num_prompt_tokens :] + (drafts or [])
             for word in params.bad_words_token_ids:
                 prefix = word[:-1]
                 if not prefix or history[len(history) - len(prefix) :] == prefix:

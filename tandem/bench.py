@@ -83,9 +83,11 @@ def run_tandem(
     ]
     timer = llm.engine.hook_timer
     hooks = timer.summary(llm.engine.num_steps) if timer is not None else {}
+    spec_metrics = llm.spec_decode_metrics()  # includes the warm-up's few steps
     llm.shutdown()
     return {
         "hook_times": hooks,  # per "plugin.hook": calls, total_ms, ms_per_step
+        "spec_decode": spec_metrics,
         "output_tokens": out_tokens,
         "elapsed_s": elapsed,
         "output_tokens_per_s": out_tokens / elapsed,

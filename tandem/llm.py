@@ -209,6 +209,19 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params)
 
+    def spec_decode_metrics(self) -> dict[str, Any] | None:
+        """Speculative-decoding counters since the engine started, or None without drafts:
+        `num_verify_steps`, `num_draft_tokens`, `num_accepted_tokens`,
+        `mean_acceptance_length` (tokens per verify step, accepted drafts + 1) and
+        `acceptance_rate_per_position` (accepted at draft position j / verify steps)."""
+        if self.config.speculative is None:
+            return None
+        for scheduler in self.engine.plugin_manager.plugins_with_role("scheduler"):
+            metrics = getattr(scheduler, "spec_metrics", None)
+            if metrics is not None:
+                return dict(metrics.as_dict())
+        return None
+
     def shutdown(self) -> None:
         """Stop the executor (a worker thread or process). Idempotent."""
         self.engine.shutdown()

@@ -239,3 +239,31 @@ def test_per_request_acceptance_accounting_matches_the_metrics() -> None:
     assert metrics["mean_acceptance_length"] == pytest.approx(
         1 + counted["accepted"] / cast(int, metrics["num_verify_steps"])
     )
+
+
+def test_front_door_reports_spec_decode_metrics() -> None:
+    from tandem import LLM, SamplingParams
+
+    llm = LLM(
+        model="scripted",
+        vocab_size=VOCAB,
+        eos_token_id=EOS,
+        speculative_config=NGRAM,
+        async_scheduling=False,
+        max_model_len=256,
+        block_size=4,
+    )
+    outs = llm.generate(
+        [repetitive_prompt(i, 12) for i in range(4)],
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+    )
+    assert all(len(o.outputs[0].token_ids) == 30 for o in outs)
+    metrics = llm.spec_decode_metrics()
+    llm.shutdown()
+    assert metrics is not None
+    assert 0 < metrics["num_accepted_tokens"] < metrics["num_draft_tokens"]
+    assert metrics["mean_acceptance_length"] > 1.0
+    assert len(metrics["acceptance_rate_per_position"]) == K
+    plain = LLM(model="scripted", async_scheduling=False, max_model_len=256, block_size=4)
+    assert plain.spec_decode_metrics() is None
+    plain.shutdown()

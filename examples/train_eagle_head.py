@@ -1,0 +1,445 @@
+"""Train an EAGLE draft head for the embedded SmolLM2 by self-distillation, on the CPU.
+
+No EAGLE weights can be downloaded here, so the head learns from the target itself:
+
+1. prompts: built from templates x subjects (no downloads); the evaluation prompts use
+   subjects the training set never sees;
+2. data: the target's own greedy generations for them, with tandem's engine;
+3. features: one transformers forward over each prompt + generation, keeping the last
+   hidden states (after the final norm) -- what the runner hands the drafter;
+4. training (AdamW, a time budget): at position p the head reads (hidden p, token p+1)
+   and must (a) predict the target's next-token distribution at p+1 through the shared LM
+   head (soft cross-entropy) and (b) regress the target's hidden state at p+1 (smooth L1).
+   A second, unrolled pass feeds the head its own features instead of the target's, as
+   drafting does after the first draft;
+5. evaluation: the engine with `speculative_config={"method": "eagle", ...}` on the
+   held-out prompts, against the same engine without speculation (outputs must be equal):
+   mean acceptance length, per-position acceptance and the wall-clock speedup, written to
+   `benchmarks/results/eagle_head.json`.
+
+    python examples/train_eagle_head.py                   # ~15-20 min on 2 busy cores
+    python examples/train_eagle_head.py --minutes 3 --num-prompts 48   # a quick try
+
+The head goes to `$TANDEM_CACHE/eagle/smollm2-135m-instruct` (default
+`~/.cache/tandem/...`), which examples/stacks/eagle-*.yaml point at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SUBJECTS = [
+    "the water cycle",
+    "volcanoes",
+    "honey bees",
+    "the moon",
+    "photosynthesis",
+    "rainbows",
+    "the roman empire",
+    "pyramids",
+    "electricity",
+    "magnets",
+    "the internet",
+    "computers",
+    "dinosaurs",
+    "whales",
+    "the ocean",
+    "mountains",
+    "deserts",
+    "rain forests",
+    "recycling",
+    "exercise",
+    "sleep",
+    "healthy food",
+    "coffee",
+    "tea",
+    "bread",
+    "chess",
+    "football",
+    "music",
+    "painting",
+    "poetry",
+    "friendship",
+    "a dog",
+    "a cat",
+    "a robot",
+    "a dragon",
+    "a small village",
+    "a big city",
+    "trains",
+    "airplanes",
+    "bicycles",
+    "the weather",
+    "climate change",
+    "solar energy",
+    "wind power",
+    "the human heart",
+    "the brain",
+    "gardening",
+    "cooking pasta",
+    "learning a language",
+    "saving money",
+    "time management",
+    "the stars",
+    "black holes",
+    "gravity",
+    "atoms",
+    "the periodic table",
+    "earthquakes",
+    "snow",
+    "the seasons",
+    "birds",
+    "butterflies",
+    "ants",
+    "libraries",
+    "books",
+    "history",
+]
+HELD_OUT_SUBJECTS = [
+    "lighthouses",
+    "glaciers",
+    "the printing press",
+    "owls",
+    "chocolate",
+    "submarines",
+    "kites",
+    "coral reefs",
+    "the violin",
+    "penguins",
+    "bridges",
+    "the desert fox",
+    "tornadoes",
+    "a museum",
+    "a train station",
+    "fireflies",
+]
+TEMPLATES = [
+    "Explain {} in simple terms.",
+    "Write a short story about {}.",
+    "List five interesting facts about {}.",
+    "Why is {} important?",
+    "Describe {} to a child.",
+    "Write a short poem about {}.",
+    "What are the main things to know about {}?",
+    "Give me three tips related to {}.",
+]
+
+
+def default_output_dir() -> Path:
+    from tandem.core.model_files import cache_root
+
+    return cache_root() / "eagle" / "smollm2-135m-instruct"
+
+
+def build_prompts(subjects: list[str], n: int, seed: int) -> list[str]:
+    pairs = [t.format(s) for s in subjects for t in TEMPLATES]
+    random.Random(seed).shuffle(pairs)
+    return pairs[:n]
+
+
+def chat_ids(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
+    """Each prompt as a one-turn chat, in the model's chat template."""
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+        )
+        for p in prompts
+    ]
+    return [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+
+
+def make_llm(speculative: dict[str, Any] | None = None, **kw: Any) -> Any:
+    from tandem.llm import LLM
+
+    return LLM(
+        model="default",
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=kw.pop("max_num_seqs", 32),
+        speculative_config=speculative,
+        **kw,
+    )
+
+
+def generate(
+    llm: Any, prompt_ids: list[list[int]], max_tokens: int
+) -> tuple[list[list[int]], float]:
+    from tandem.core.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    outs = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
+
+
+def target_features(
+    model: Any, sequences: list[list[int]], batch_size: int = 8
+) -> list[torch.Tensor]:
+    """Last hidden states after the final norm, `[len, hidden]` per sequence (float32)."""
+    features: list[torch.Tensor] = []
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    by_index: dict[int, torch.Tensor] = {}
+    with torch.inference_mode():
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            width = max(len(sequences[i]) for i in chunk)
+            ids = torch.zeros((len(chunk), width), dtype=torch.int64)
+            mask = torch.zeros((len(chunk), width), dtype=torch.int64)
+            for row, i in enumerate(chunk):
+                ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
+                mask[row, : len(sequences[i])] = 1
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            for row, i in enumerate(chunk):
+                by_index[i] = hidden[row, : len(sequences[i])].float().clone()
+    features = [by_index[i] for i in range(len(sequences))]
+    return features
+
+
+def train(
+    target: Any,
+    sequences: list[list[int]],
+    features: list[torch.Tensor],
+    minutes: float,
+    batch_size: int,
+    lr: float,
+    seed: int,
+) -> tuple[Any, dict[str, Any]]:
+    from tandem.spec_decode.eagle_head import EagleHead, EagleHeadConfig, causal_attend
+
+    torch.manual_seed(seed)
+    head = EagleHead(EagleHeadConfig.for_target(target.config)).float().train()
+    embed = target.model.embed_tokens
+    # The LM-head losses run over the vocabulary the data uses (every greedy next token of
+    # the generations is in it): ~10x less work than the full 49k vocabulary on the CPU.
+    active = torch.unique(torch.tensor([t for s in sequences for t in s]))
+    head_weight = target.lm_head.weight.detach()[active]
+
+    def lm_head(x: torch.Tensor) -> torch.Tensor:
+        return x @ head_weight.T
+
+    rotary = target.model.rotary_emb
+    for p in target.parameters():
+        p.requires_grad_(False)
+    params = [p for p in head.parameters()]
+    optim = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    budget = minutes * 60.0
+    rng = random.Random(seed)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    start = time.perf_counter()
+    step = 0
+    history: list[dict[str, float]] = []
+    tokens_seen = 0
+    warmup = 20
+    while True:
+        rng.shuffle(batches)
+        for chunk in batches:
+            elapsed = time.perf_counter() - start
+            if elapsed > budget:
+                return head.eval(), {
+                    "steps": step,
+                    "tokens_seen": tokens_seen,
+                    "active_vocab": int(active.numel()),
+                    "log": history,
+                }
+            # cosine decay over the time budget, after a short warm-up
+            scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * elapsed / budget))
+            for group in optim.param_groups:
+                group["lr"] = lr * max(scale, 0.05)
+            width = max(len(sequences[i]) for i in chunk) - 1  # positions 0 .. L-2
+            ids = torch.zeros((len(chunk), width + 1), dtype=torch.int64)
+            hid = torch.zeros((len(chunk), width + 1, head.config.hidden_size))
+            valid = torch.zeros((len(chunk), width), dtype=torch.bool)
+            for row, i in enumerate(chunk):
+                n = len(sequences[i])
+                ids[row, :n] = torch.tensor(sequences[i])
+                hid[row, :n] = features[i]
+                valid[row, : n - 1] = True
+            positions = torch.arange(width)[None].expand(len(chunk), -1)
+            embeds = embed(ids[:, 1:])  # token p+1 at position p
+            cos, sin = rotary(embeds, positions)
+            cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+            target_feat = hid[:, 1:]  # hidden at p+1
+            with torch.no_grad():
+                teacher = F.log_softmax(lm_head(target_feat[valid]).float(), dim=-1)
+            loss = torch.zeros(())
+            inputs = hid[:, :-1]
+            logs: dict[str, float] = {}
+            for unroll, weight in ((0, 1.0), (1, 0.5)):
+                feat = head(embeds, inputs, cos, sin, causal_attend)
+                student = F.log_softmax(lm_head(feat[valid]).float(), dim=-1)
+                ce = -(teacher.exp() * student).sum(-1).mean()
+                reg = F.smooth_l1_loss(feat[valid], target_feat[valid])
+                loss = loss + weight * (ce + reg)
+                with torch.no_grad():
+                    top1 = (student.argmax(-1) == teacher.argmax(-1)).float().mean()
+                logs[f"ce{unroll}"], logs[f"top1_{unroll}"] = ce.item(), top1.item()
+                logs[f"reg{unroll}"] = reg.item()
+                # the next pass reads the head's own feature for p (it stands for hidden p+1)
+                inputs = torch.cat((hid[:, :1], feat[:, :-1]), dim=1)
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optim.step()
+            step += 1
+            tokens_seen += int(valid.sum())
+            if step % 10 == 0:
+                entry = {"step": step, "seconds": round(time.perf_counter() - start, 1)}
+                entry.update({k: round(v, 4) for k, v in logs.items()})
+                history.append(entry)
+                print(json.dumps(entry), flush=True)
+
+
+def evaluate(
+    head_dir: Path, prompt_ids: list[list[int]], max_tokens: int, k: int
+) -> dict[str, Any]:
+    """Held-out prompts: no-spec vs EAGLE, same engine settings; outputs must be equal."""
+    results: dict[str, Any] = {}
+    outputs = {}
+    for name, spec in (
+        ("no_spec", None),
+        ("eagle", {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": k}),
+    ):
+        llm = make_llm(spec, max_num_seqs=len(prompt_ids))
+        generate(llm, prompt_ids[:2], 8)  # warm-up
+        tokens, seconds = generate(llm, prompt_ids, max_tokens)
+        sched = llm.engine.plugin_manager.plugins_with_role("scheduler")[0]
+        entry: dict[str, Any] = {
+            "seconds": round(seconds, 3),
+            "output_tokens": sum(len(t) for t in tokens),
+        }
+        entry["tokens_per_s"] = round(entry["output_tokens"] / seconds, 1)
+        if spec is not None:
+            metrics = sched.spec_metrics.as_dict()
+            entry.update(metrics)
+        results[name] = entry
+        outputs[name] = tokens
+        llm.engine.shutdown()
+    results["outputs_equal"] = outputs["eagle"] == outputs["no_spec"]
+    results["speedup"] = round(results["no_spec"]["seconds"] / results["eagle"]["seconds"], 3)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0, help="training time budget")
+    parser.add_argument("--num-prompts", type=int, default=320, help="training prompts")
+    parser.add_argument("--max-tokens", type=int, default=128, help="generation length")
+    parser.add_argument("--eval-prompts", type=int, default=16)
+    parser.add_argument("--eval-max-tokens", type=int, default=96)
+    parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens at evaluation")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="checkpoint directory")
+    parser.add_argument("--results", type=Path, default=Path("benchmarks/results/eagle_head.json"))
+    parser.add_argument("--skip-eval", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    out_dir = args.out or default_output_dir()
+    wall = time.perf_counter()
+
+    from transformers import AutoModelForCausalLM
+
+    from tandem.core.model_files import load_tokenizer, resolve_model_dir
+    from tandem.spec_decode.eagle_head import save_eagle_head
+
+    model_dir = resolve_model_dir("default")
+    tokenizer = load_tokenizer(model_dir)
+    train_prompts = build_prompts(SUBJECTS, args.num_prompts, args.seed)
+    eval_prompts = build_prompts(HELD_OUT_SUBJECTS, args.eval_prompts, args.seed + 1)
+    train_ids = chat_ids(tokenizer, train_prompts)
+    eval_ids = chat_ids(tokenizer, eval_prompts)
+
+    t = time.perf_counter()
+    llm = make_llm()
+    generations, _ = generate(llm, train_ids, args.max_tokens)
+    llm.engine.shutdown()
+    del llm
+    sequences = [p + g for p, g in zip(train_ids, generations, strict=True)]
+    gen_seconds = time.perf_counter() - t
+    num_tokens = sum(len(s) for s in sequences)
+    print(
+        f"generated {sum(map(len, generations))} tokens ({num_tokens} with prompts) "
+        f"in {gen_seconds:.0f}s",
+        flush=True,
+    )
+
+    t = time.perf_counter()
+    target = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    features = target_features(target, sequences)
+    feat_seconds = time.perf_counter() - t
+    print(f"target features in {feat_seconds:.0f}s", flush=True)
+
+    t = time.perf_counter()
+    head, stats = train(
+        target, sequences, features, args.minutes, args.batch_size, args.lr, args.seed
+    )
+    train_seconds = time.perf_counter() - t
+    save_eagle_head(head, out_dir)
+    print(f"trained {stats['steps']} steps in {train_seconds:.0f}s; saved to {out_dir}", flush=True)
+    del target, features
+
+    report: dict[str, Any] = {
+        "command": "python examples/train_eagle_head.py "
+        + " ".join(
+            f"--{k.replace('_', '-')} {v}"
+            for k, v in vars(args).items()
+            if k in ("minutes", "num_prompts", "max_tokens", "k", "threads")
+        ),
+        "head_dir": str(out_dir),
+        "torch_threads": args.threads,
+        "load_average_start": os.getloadavg(),
+        "data": {
+            "train_prompts": len(train_ids),
+            "train_tokens": num_tokens,
+            "generated_tokens": sum(map(len, generations)),
+            "generation_seconds": round(gen_seconds, 1),
+            "feature_seconds": round(feat_seconds, 1),
+        },
+        "training": {
+            "seconds": round(train_seconds, 1),
+            "steps": stats["steps"],
+            "active_vocab": stats["active_vocab"],
+            "tokens_seen": stats["tokens_seen"],
+            "final": stats["log"][-1] if stats["log"] else None,
+            "log": stats["log"],
+        },
+    }
+    if not args.skip_eval:
+        report["evaluation"] = {
+            "eval_prompts": len(eval_ids),
+            "max_tokens": args.eval_max_tokens,
+            "num_speculative_tokens": args.k,
+            **evaluate(out_dir, eval_ids, args.eval_max_tokens, args.k),
+        }
+        report["load_average_end"] = os.getloadavg()
+        ev = report["evaluation"]
+        print(
+            f"acceptance length {ev['eagle']['mean_acceptance_length']:.3f} "
+            f"(per position {ev['eagle']['acceptance_rate_per_position']}), "
+            f"speedup {ev['speedup']}x, outputs equal: {ev['outputs_equal']}",
+            flush=True,
+        )
+    report["wall_seconds"] = round(time.perf_counter() - wall, 1)
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.results}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -150,9 +150,9 @@ class DraftModelDrafter:
                 [context.token_ids[i][-1] if bonus[i] else 0 for i in range(len(counts))],
                 dtype=torch.int64,
             ).to(device)
+            positions = (torch.tensor(rows.num_computed)[req_index] + within).to(device)
             req_index = req_index.to(device)
             tokens = torch.where(is_bonus, bonus_ids[req_index], batch.input_ids[flat])
-            positions = (torch.tensor(rows.num_computed)[req_index.cpu()] + within).to(device)
             seq_lens = [c + n for c, n in zip(rows.num_computed, total, strict=True)]
             table = self.tables.table(
                 context.block_ids,

@@ -201,9 +201,9 @@ class EagleDrafter:
                 for i, n in enumerate(rows.seq_lens)
                 if rows.seq_lens[i] > rows.num_computed[i]
             ]
-            next_tokens[torch.tensor(last, device=input_ids.device)] = torch.tensor(
-                tails, dtype=input_ids.dtype
-            ).to(input_ids.device)
+            next_tokens[torch.tensor(last, dtype=torch.int64, device=input_ids.device)] = (
+                torch.tensor(tails, dtype=input_ids.dtype).to(input_ids.device)
+            )
             meta = build_metadata(
                 s.kv,
                 s.tables.slots(table, rows.req_index, rows.positions),

@@ -54,6 +54,8 @@ class _Serving:
     embed: torch.nn.Module
     rotary: torch.nn.Module
     lm_head: Any
+    #: Target token id of each LM-head row the drafter scores (None: all, in order).
+    draft_vocab: torch.Tensor | None
     tables: DraftBlockTables
     kv: list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -129,7 +131,12 @@ class EagleDrafter:
                 torch.zeros(shape, dtype=embed.weight.dtype, device=target.device),
             )
         ]
-        return _Serving(head, embed, rotary, lm_head, tables, kv)
+        draft_vocab = head.draft_vocab
+        if draft_vocab is not None:
+            from tandem.core.worker.packed_linear import PackedLinear
+
+            lm_head = PackedLinear(target.model.lm_head.weight.detach()[draft_vocab])
+        return _Serving(head, embed, rotary, lm_head, draft_vocab, tables, kv)
 
     @staticmethod
     def _attend(
@@ -164,6 +171,11 @@ class EagleDrafter:
             sin[0][:, None, :],
             lambda q, k, v: self._attend(meta, q, k, v),
         )
+
+    @staticmethod
+    def _greedy(s: _Serving, feature: torch.Tensor) -> torch.Tensor:
+        best = s.lm_head(feature).argmax(-1)
+        return best if s.draft_vocab is None else s.draft_vocab[best]
 
     @hookimpl
     def propose_drafts(self, context: DraftContext) -> list[list[int]]:
@@ -221,7 +233,7 @@ class EagleDrafter:
             device = input_ids.device
             index = torch.tensor(drafting, dtype=torch.int64, device=device)
             feature = features[torch.tensor([rows.last[i] for i in drafting], device=device)]
-            token = s.lm_head(feature).argmax(-1)
+            token = self._greedy(s, feature)
             drafts = [token]
             draft_table = table[index]
             local = torch.arange(len(drafting), device=device)
@@ -240,7 +252,7 @@ class EagleDrafter:
                     self.block_size,
                 )
                 feature = self._run_head(s, token, feature, positions, meta)
-                token = s.lm_head(feature).argmax(-1)
+                token = self._greedy(s, feature)
                 drafts.append(token)
             for i, row in zip(drafting, torch.stack(drafts, dim=1).tolist(), strict=True):
                 proposals[i] = row

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -49,6 +49,10 @@ class EagleHeadConfig:
     #: The target's vocabulary and hidden size: a head only serves a matching target.
     target_vocab_size: int
     target_hidden_size: int
+    #: Drafts come from this many target token ids (`EagleHead.draft_vocab`, e.g. the
+    #: tokens of the training data): the LM head is applied to those rows only, which is
+    #: most of the drafting cost on a 49k vocabulary. 0: the whole target vocabulary.
+    draft_vocab_size: int = 0
 
     @classmethod
     def for_target(cls, hf_config, intermediate_size: int | None = None) -> EagleHeadConfig:  # noqa: ANN001
@@ -101,6 +105,13 @@ class EagleHead(nn.Module):
         self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
         self.norm = nn.Parameter(torch.ones(h))
+        self.draft_vocab: torch.Tensor | None
+        if config.draft_vocab_size:
+            self.register_buffer(
+                "draft_vocab", torch.arange(config.draft_vocab_size, dtype=torch.int64)
+            )
+        else:
+            self.draft_vocab = None
 
     def forward(
         self,
@@ -147,7 +158,8 @@ def save_eagle_head(head: EagleHead, directory: Path | str) -> Path:
     config = {"architecture": ARCHITECTURE, **asdict(head.config)}
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     state = {
-        k: v.detach().to("cpu", torch.float32).contiguous() for k, v in head.state_dict().items()
+        k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous()
+        for k, v in head.state_dict().items()
     }
     save_file(state, str(directory / WEIGHTS_FILE))
     return directory
@@ -168,21 +180,34 @@ def load_eagle_head(
         raise ValueError(f"EAGLE head: {config_path} is not a {ARCHITECTURE!r} checkpoint")
     head = EagleHead(EagleHeadConfig(**raw))
     head.load_state_dict(load_file(str(directory / WEIGHTS_FILE)))
+    vocab = head.draft_vocab
+    if vocab is not None and int(vocab.max()) >= head.config.target_vocab_size:
+        raise ValueError(f"EAGLE head: {directory} drafts ids outside the target vocabulary")
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def save_random_eagle_head(
-    target_dir: Path | str, out_dir: Path | str, seed: int = 0, intermediate_size: int | None = None
+    target_dir: Path | str,
+    out_dir: Path | str,
+    seed: int = 0,
+    intermediate_size: int | None = None,
+    draft_vocab: list[int] | None = None,
 ) -> Path:
     """A randomly initialised head for the target in `target_dir` (tests: drafts are
-    arbitrary, so only acceptance changes, never the outputs)."""
+    arbitrary, so only acceptance changes, never the outputs), drafting from `draft_vocab`
+    (target token ids) when given."""
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(str(target_dir))
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        head = EagleHead(EagleHeadConfig.for_target(hf_config, intermediate_size))
+        config = EagleHeadConfig.for_target(hf_config, intermediate_size)
+        if draft_vocab is not None:
+            config = replace(config, draft_vocab_size=len(draft_vocab))
+        head = EagleHead(config)
+        if draft_vocab is not None:
+            head.draft_vocab.copy_(torch.tensor(draft_vocab, dtype=torch.int64))
     finally:
         torch.random.set_rng_state(state)
     return save_eagle_head(head, out_dir)

@@ -185,6 +185,33 @@ def test_proposals_equal_an_offline_recomputation(
         assert proposal == reference_drafts(target, head, history, K), len(history)
 
 
+def test_draft_vocab_restricts_proposals(
+    tiny_llama: Path,
+    no_spec_outputs: list[tuple[list[int], str | None]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A head with a draft vocabulary scores only those LM-head rows and maps back to
+    target ids; a draft from it equals the full-vocabulary argmax over those rows."""
+    vocab = list(range(3, 384, 2))
+    head_dir = save_random_eagle_head(tiny_llama, tmp_path / "head", draft_vocab=vocab)
+    proposed: list[int] = []
+    original = EagleDrafter.propose_drafts
+
+    @hookimpl
+    def recording(self: EagleDrafter, context: DraftContext) -> list[list[int]]:
+        proposals = original(self, context)
+        proposed.extend(t for p in proposals for t in p)
+        return proposals
+
+    monkeypatch.setattr(EagleDrafter, "propose_drafts", recording)
+    llm, _ = make_llm(tiny_llama, True, speculative_config=eagle(head_dir))
+    assert greedy(llm, token_prompts(0, LENGTHS), MAX_TOKENS) == no_spec_outputs
+    llm.engine.shutdown()
+    assert proposed and set(proposed) <= set(vocab)
+    assert load_eagle_head(head_dir).draft_vocab.tolist() == vocab
+
+
 def test_missing_head_directory_is_a_config_error(tiny_llama: Path, tmp_path: Path) -> None:
     from tandem.core.config import ConfigError
 

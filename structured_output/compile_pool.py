@@ -5,13 +5,17 @@ compiled) before shares its future, so a hundred requests with one schema compil
 once. Errors are cached with the spec (compiling it again would fail again); a time-out is
 not (the next request tries again). A compile thread cannot be interrupted: a timed-out
 compile keeps its worker until it returns, so the pool has a few workers and the time-out
-only fails the requests waiting for it.
+only fails the requests waiting for it. Workers are daemon threads, so such a compile never
+keeps the process from exiting (a `ThreadPoolExecutor` joins its threads at exit).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from tandem.core.structured_outputs import StructuredOutputsParams
@@ -24,7 +28,8 @@ class CompilePool:
     def __init__(self, max_workers: int, cache_size: int) -> None:
         self.max_workers = max_workers
         self.cache_size = cache_size
-        self._executor: ThreadPoolExecutor | None = None
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
         self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
         self.num_compiles = 0
 
@@ -34,24 +39,32 @@ class CompilePool:
         if future is not None:
             self._cache.move_to_end(key)
             return future
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                max_workers=self.max_workers, thread_name_prefix="tandem-grammar"
+        if len(self._workers) < self.max_workers:
+            worker = threading.Thread(
+                target=self._work, name=f"tandem-grammar-{len(self._workers)}", daemon=True
             )
-        future = self._executor.submit(backend.compile, spec)
+            worker.start()
+            self._workers.append(worker)
+        compiled: Future[Any] = Future()
+        self._jobs.put((compiled, lambda: backend.compile(spec)))
         self.num_compiles += 1
-        self._cache[key] = future
+        self._cache[key] = compiled
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
-        return future
+        return compiled
+
+    def _work(self) -> None:
+        while True:
+            future, job = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled (timed out) before it started
+            try:
+                future.set_result(job())
+            except BaseException as exc:  # reported to the request, never raised here
+                future.set_exception(exc)
 
     def forget(self, future: Future[Any]) -> None:
         """Drop a (timed-out) future from the cache so that the spec is compiled again."""
         for key, cached in list(self._cache.items()):
             if cached is future:
                 del self._cache[key]
-
-    def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None

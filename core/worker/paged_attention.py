@@ -5,12 +5,14 @@ keys the same or, with the compiled CPU decode kernel, transposed per block
 `[num_blocks, kv_heads, head_dim, block_size]` (`keys_transposed`). Each step writes the
 new keys and values at `slot_mapping`, then attends:
 
-- decodes (one query token per request): with the CPU kernel, all at once, reading the
-  pools in place (`cpu_kernels.PagedDecodeKernel`); otherwise sorted by context length and
-  attended in groups of similar length, one batched SDPA per group over the gathered
-  contexts, masked to each request's length;
-- prefill chunks one request at a time (a handful per step), causal with the chunk's offset
-  into its context, SDPA over the gathered context.
+- decodes (one query token per request) and short spans (up to `MAX_SPAN_AS_DECODES`
+  query tokens: draft verification), each query token as a decode that sees its causal
+  prefix: with the CPU kernel, all at once, reading the pools in place
+  (`cpu_kernels.PagedDecodeKernel`); otherwise sorted by context length and attended in
+  groups of similar length, one batched SDPA per group over the gathered contexts, masked
+  to each query's length;
+- longer prefill chunks one request at a time (a handful per step), causal with the
+  chunk's offset into its context, SDPA over the gathered context.
 
 GQA is handled by SDPA (`enable_gqa`). The metadata is built once per step and reaches the
 attention function through the model's keyword pass-through (`paged=`).
@@ -76,24 +78,24 @@ class PagedAttentionMetadata:
 #: Decodes are sorted by context length and attended in groups of about this many, so a
 #: short context is not padded to the longest one in the whole batch.
 DECODE_GROUP_SIZE = 16
+#: A request with at most this many query tokens (a decode, or a verify step's 1 + k
+#: drafts) is attended as that many decodes: query token i of a span starting at position
+#: s sees the s + i + 1 keys of its causal prefix (this step's keys are written before
+#: attending). One batched decode call then replaces one SDPA per request and layer.
+MAX_SPAN_AS_DECODES = 16
 
 
 def _decode_group(
-    decodes: list[int],
-    query_start_loc: list[int],
-    seq_lens: list[int],
-    block_tables: torch.Tensor,
-    block_size: int,
+    queries: list[tuple[int, int, int]], block_tables: torch.Tensor, block_size: int
 ) -> DecodeGroup:
+    """`queries`: (flat token index, request row, keys visible) of each decode query."""
     device = block_tables.device
-    index = torch.tensor(decodes, dtype=torch.int64, device=device)
-    lens = torch.tensor([seq_lens[r] for r in decodes], dtype=torch.int64, device=device)
+    index = torch.tensor([r for _, r, _ in queries], dtype=torch.int64, device=device)
+    lens = torch.tensor([n for _, _, n in queries], dtype=torch.int64, device=device)
     num_blocks = -(-int(lens.max()) // block_size)
     keys = torch.arange(num_blocks * block_size, device=device)
     return DecodeGroup(
-        token_idx=torch.tensor(
-            [query_start_loc[r] for r in decodes], dtype=torch.int64, device=device
-        ),
+        token_idx=torch.tensor([t for t, _, _ in queries], dtype=torch.int64, device=device),
         block_ids=block_tables[index, :num_blocks].reshape(-1),
         mask=(keys[None, :] < lens[:, None])[:, None, None, :],
     )
@@ -111,8 +113,15 @@ def build_metadata(
 ) -> PagedAttentionMetadata:
     """Per-step attention plan. With `decode_kernel` the key pools must be transposed per
     block (see the module docstring)."""
-    decodes = [r for r in range(len(seq_lens)) if query_start_loc[r + 1] - query_start_loc[r] == 1]
-    decode_set = set(decodes)
+    # (flat token index, request row, keys visible) of every query attended as a decode.
+    decodes: list[tuple[int, int, int]] = []
+    decode_set: set[int] = set()
+    for r in range(len(seq_lens)):
+        start, n = query_start_loc[r], query_start_loc[r + 1] - query_start_loc[r]
+        if 0 < n <= MAX_SPAN_AS_DECODES:
+            decode_set.add(r)
+            first = seq_lens[r] - n + 1
+            decodes.extend((start + i, r, first + i) for i in range(n))
     prefills = [
         PrefillSpan(
             token_start=query_start_loc[r],
@@ -142,23 +151,19 @@ def build_metadata(
         return meta
     if decode_kernel is not None:
         device = block_tables.device
-        index = torch.tensor(decodes, dtype=torch.int64, device=device)
-        lens = [seq_lens[r] for r in decodes]
+        index = torch.tensor([r for _, r, _ in decodes], dtype=torch.int64, device=device)
+        lens = [n for _, _, n in decodes]
         meta.decode_batch = DecodeBatch(
-            token_idx=torch.tensor(
-                [query_start_loc[r] for r in decodes], dtype=torch.int64, device=device
-            ),
+            token_idx=torch.tensor([t for t, _, _ in decodes], dtype=torch.int64, device=device),
             block_tables=block_tables[index, : -(-max(lens) // block_size)]
             .to(torch.int64)
             .contiguous(),
             seq_lens=torch.tensor(lens, dtype=torch.int64, device=device),
         )
         return meta
-    decodes.sort(key=seq_lens.__getitem__)
+    decodes.sort(key=lambda query: query[2])
     meta.decode_groups = [
-        _decode_group(
-            decodes[i : i + DECODE_GROUP_SIZE], query_start_loc, seq_lens, block_tables, block_size
-        )
+        _decode_group(decodes[i : i + DECODE_GROUP_SIZE], block_tables, block_size)
         for i in range(0, len(decodes), DECODE_GROUP_SIZE)
     ]
     return meta

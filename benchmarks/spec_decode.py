@@ -37,10 +37,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def spec_config(method: str, args: argparse.Namespace) -> dict[str, Any] | None:
     if method == "none":
         return None
-    if method == "ngram":
+    if method.startswith("ngram"):  # "ngram" uses --k; "ngram8" uses k = 8
         return {
             "method": "ngram",
-            "num_speculative_tokens": args.k,
+            "num_speculative_tokens": int(method[5:] or args.k),
             "prompt_lookup_min": args.lookup_min,
             "prompt_lookup_max": args.lookup_max,
         }
@@ -157,7 +157,11 @@ def main() -> None:
     parser.add_argument(
         "--workload", default=str(ROOT / "benchmarks" / "workloads" / "spec_repetitive.json")
     )
-    parser.add_argument("--methods", default="none,ngram", help="comma list: none,ngram,eagle")
+    parser.add_argument(
+        "--methods",
+        default="none,ngram",
+        help="comma list of none, ngram (k from --k), ngramK (k = K, e.g. ngram8), eagle",
+    )
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)

@@ -87,7 +87,9 @@ class NgramDrafter(TandemPlugin):
 
     def _row(self, req_id: str, history: list[int]) -> int:
         """The request's buffer row, brought up to `history` (appending only what is new;
-        rebuilt when the stored prefix no longer matches, e.g. after a preemption)."""
+        rebuilt when the stored prefix no longer matches: shorter history, or a different
+        first or last stored token). A stale row can only cost acceptance, never
+        correctness: verification decides what is emitted."""
         slot = self._slot.get(req_id)
         if slot is None:
             if not self._free:
@@ -97,7 +99,13 @@ class NgramDrafter(TandemPlugin):
             self._len[slot] = 0
         stored = int(self._len[slot])
         n = len(history)
-        if stored > n or (stored and self._buf[slot, stored - 1] != history[stored - 1]):
+        if stored > n or (
+            stored
+            and (
+                self._buf[slot, stored - 1] != history[stored - 1]
+                or self._buf[slot, 0] != history[0]
+            )
+        ):
             self._buf[slot, :stored] = _PAD
             stored = 0
         if n > self._buf.shape[1]:

@@ -1,13 +1,16 @@
 """The EAGLE drafter in the engine, with a random head on a tiny random Llama target.
 
-A random head's drafts are almost always rejected, so these tests check what must hold
+A random head's drafts are almost always rejected, so most tests check what must hold
 whatever the head: greedy outputs equal the engine without speculation and transformers'
 `generate()` (sync and async, chunked prefill, preemption with drafts in flight, prefix
 caching), the ledger and KV invariants after every step, no KV leak at the end, and --
 the drafter's own plumbing -- that every proposal equals an offline recomputation of the
 head over the target's hidden states (full causal attention over the whole history, no
 paged KV), so a wrong catch-up row, position, pairing or KV slot shows up as a mismatch.
-One short SmolLM2 run checks the same on the embedded model.
+A head trained in a few seconds to memorise the target's greedy continuations of a few
+prompts (`memorized_head`) gives long accepted runs on those prompts: with it, max_tokens
+and stop tokens fall inside accepted runs, and the catch-up over several accepted rows is
+checked against the recomputation too. One short SmolLM2 run checks the embedded model.
 """
 
 from __future__ import annotations
@@ -43,6 +46,59 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def random_head(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_random_eagle_head(tiny_llama, tmp_path_factory.mktemp("eagle-head") / "head")
+
+
+MEMORIZED_PROMPTS = token_prompts(21, [8] * 12)
+MEMORIZED_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def memorized_head(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A head trained (60 AdamW steps, ~2 s) on the target's own greedy continuations of
+    MEMORIZED_PROMPTS: soft cross-entropy to the target's next-token distribution through
+    the shared LM head plus feature regression, with a second pass on its own features."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from tandem.spec_decode.eagle_head import EagleHead, EagleHeadConfig, save_eagle_head
+
+    target = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    prompts = torch.tensor(MEMORIZED_PROMPTS)
+    with torch.inference_mode():
+        sequences = target.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=MEMORIZED_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        hidden = target.model(input_ids=sequences).last_hidden_state
+    sequences, hidden = sequences.clone(), hidden.clone()  # out of inference mode, for autograd
+    weight = target.lm_head.weight.detach()
+    with torch.no_grad():
+        embeds = target.model.embed_tokens(sequences[:, 1:])
+        positions = torch.arange(embeds.shape[1])[None].expand(embeds.shape[0], -1)
+        cos, sin = target.model.rotary_emb(embeds, positions)
+        cos, sin = cos[:, :, None], sin[:, :, None]
+        teacher = (hidden[:, 1:] @ weight.T).softmax(-1)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    head = EagleHead(EagleHeadConfig.for_target(target.config))
+    torch.random.set_rng_state(state)
+    optim = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    for _ in range(60):
+        inputs, loss = hidden[:, :-1], torch.zeros(())
+        for _unroll in range(2):
+            features = head(embeds, inputs, cos, sin, causal_attend)
+            student = (features @ weight.T).log_softmax(-1)
+            loss = loss - (teacher * student).sum(-1).mean()
+            loss = loss + F.smooth_l1_loss(features, hidden[:, 1:])
+            inputs = torch.cat((hidden[:, :1], features[:, :-1]), dim=1)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    return save_eagle_head(head, tmp_path_factory.mktemp("eagle-memorized") / "head")
 
 
 @pytest.fixture(scope="module")
@@ -140,14 +196,18 @@ def reference_drafts(target: Any, head: Any, history: list[int], k: int) -> list
 
 
 @pytest.mark.parametrize("async_scheduling", ASYNC)
+@pytest.mark.parametrize("head_fixture", ["random_head", "memorized_head"])
 def test_proposals_equal_an_offline_recomputation(
     tiny_llama: Path,
-    random_head: Path,
+    head_fixture: str,
     async_scheduling: bool,
     monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     """Chunked prefill, preemption and prefix-cache hits (the second call shares the first
-    call's prompts as prefixes): the head's KV must be right in all of them."""
+    call's prompts as prefixes): the head's KV must be right in all of them, also after
+    steps that accepted several drafts (memorized head)."""
+    head_dir: Path = request.getfixturevalue(head_fixture)
     from transformers import AutoModelForCausalLM
 
     seen: list[tuple[list[int], list[int]]] = []
@@ -165,24 +225,62 @@ def test_proposals_equal_an_offline_recomputation(
     llm, record = make_llm(
         tiny_llama,
         async_scheduling,
-        speculative_config=eagle(random_head),
+        speculative_config=eagle(head_dir),
         max_num_batched_tokens=12,
         num_kv_blocks=18,
         max_model_len=64,
         enable_prefix_caching=True,
     )
-    prompts = token_prompts(5, [23, 30, 6])
-    greedy(llm, prompts, [10, 14, 12])
-    greedy(llm, [p + token_prompts(6, [3])[0] for p in prompts], [12, 9, 11])
+    prompts = token_prompts(5, [23, 30, 6]) + MEMORIZED_PROMPTS[:3]
+    greedy(llm, prompts, [10, 14, 12, 20, 24, 16])
+    greedy(llm, [p + token_prompts(6, [3])[0] for p in prompts[:3]], [12, 9, 11])
+    greedy(llm, [p[:-2] for p in MEMORIZED_PROMPTS[:3]], [6, 6, 6])  # cached prefixes
     assert record.preempted and record.chunked
+    if head_fixture == "memorized_head":  # whole runs of k drafts were accepted
+        assert spec_metrics(llm)["acceptance_rate_per_position"][K - 1] > 0.05
     assert_idle_and_no_leak(llm)
     llm.engine.shutdown()
 
     target = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
-    head = load_eagle_head(random_head)
+    head = load_eagle_head(head_dir)
     assert len(seen) > 20
     for history, proposal in seen[::2]:
         assert proposal == reference_drafts(target, head, history, K), len(history)
+
+
+@pytest.mark.parametrize("async_scheduling", ASYNC)
+def test_accepted_runs_with_max_tokens_stops_and_preemption(
+    tiny_llama: Path, memorized_head: Path, async_scheduling: bool
+) -> None:
+    """Long accepted runs (the memorized prompts) under a tiny KV pool and token budget;
+    every max_tokens from 1 to 13 and stop tokens from the middle of the output, so limits
+    fall at each offset of a k+1-token run. Outputs equal the engine without drafts."""
+    base, _ = make_llm(tiny_llama, False, max_model_len=64, num_kv_blocks=18)
+    spec, record = make_llm(
+        tiny_llama,
+        async_scheduling,
+        speculative_config=eagle(memorized_head),
+        max_num_batched_tokens=12,
+        num_kv_blocks=18,
+        max_model_len=64,
+    )
+    prompts = MEMORIZED_PROMPTS[:6]
+    lengths = [MEMORIZED_TOKENS] * len(prompts)
+    full = greedy(base, prompts, lengths)
+    assert greedy(spec, prompts, lengths) == full
+    assert record.preempted and record.chunked
+    prompt = MEMORIZED_PROMPTS[6]
+    sweep = list(range(1, 14))
+    assert greedy(spec, [prompt] * len(sweep), sweep) == greedy(base, [prompt] * len(sweep), sweep)
+    stops = sorted(set(full[0][0][4:12]))
+    for stop in stops:
+        expected = greedy(base, prompts[:1], [MEMORIZED_TOKENS], stop_token_ids=[stop])
+        assert expected[0][1] == "stop"
+        assert greedy(spec, prompts[:1], [MEMORIZED_TOKENS], stop_token_ids=[stop]) == expected
+    assert spec_metrics(spec)["mean_acceptance_length"] > 2.0
+    for llm in (base, spec):
+        assert_idle_and_no_leak(llm)
+        llm.engine.shutdown()
 
 
 def test_draft_vocab_restricts_proposals(

@@ -216,3 +216,22 @@ def test_no_constrained_request_no_bitmask(smollm2_config: EngineConfig) -> None
     manager = make_manager(smollm2_config)
     assert manager.grammar_bitmask(step([])) is None
     assert isinstance(allocate_bitmask(1, VOCAB), torch.Tensor)
+
+
+def test_pathological_regex_times_out_alone(smollm2_config: EngineConfig) -> None:
+    """A regex whose DFA explodes ((a|b)*a(a|b){9}: 2^10 states, seconds to index on
+    outlines-core) fails its request by time-out; a request compiled beside it is ready."""
+    manager = make_manager(smollm2_config, backend="outlines", compile_timeout_s=0.3)
+    slow = constrained("slow", regex="(a|b)*a(a|b){9}")
+    fast = constrained("fast", regex="[0-9]{3}")
+    manager.add_request(slow)
+    manager.add_request(fast)
+    finished: list = []
+    deadline = time.monotonic() + 30
+    while not finished or not fast.grammar_ready():
+        finished += manager.poll_finished_requests() or []
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert [(f.request_id, f.finish_reason) for f in finished] == [("slow", "error")]
+    assert "did not compile it within compile_timeout_s=0.3" in (finished[0].error or "")
+    assert "fast" in manager._states and "slow" not in manager._states

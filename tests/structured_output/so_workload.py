@@ -184,7 +184,16 @@ MODES: dict[str, dict[str, Any]] = {
             "prompt_lookup_max": 3,
         },
     },
+    # A KV pool too small for the batch: requests are preempted and resumed mid-grammar.
+    "async-preempt": {
+        "async_scheduling": True,
+        "num_kv_blocks": 16,
+        "max_model_len": 256,
+        "enable_prefix_caching": False,
+    },
 }
+#: The modes of the 50-request sweep.
+SWEEP_MODES = ("sync", "async", "async-ngram")
 
 #: Requests every run adds that must fail alone, and the words their error must contain.
 BAD_REQUESTS: dict[str, tuple[dict[str, Any], str]] = {
@@ -203,14 +212,14 @@ def run_mode(
     RequestOutput}."""
     from tandem import LLM, SamplingParams
 
-    llm = LLM(
-        model="default",
-        dtype="float32",
-        block_size=16,
-        num_kv_blocks=num_kv_blocks,
-        max_model_len=1024,
+    settings: dict[str, Any] = {
+        "dtype": "float32",
+        "block_size": 16,
+        "num_kv_blocks": num_kv_blocks,
+        "max_model_len": 1024,
         **MODES[mode],
-    )
+    }
+    llm = LLM(model="default", **settings)
     try:
         keys: list[Any] = []
         prompts: list[str] = []
@@ -246,6 +255,7 @@ def run_mode(
             "bitmask_steps": grammar.num_bitmask_steps,
             "draft_rows": grammar.num_draft_rows,
             "accepted_drafts": scheduler.spec_metrics.num_accepted_tokens,
+            "preemptions": scheduler.num_preemptions,
         }
         return result
     finally:

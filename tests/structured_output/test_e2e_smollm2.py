@@ -5,7 +5,8 @@ speculation; async (with or without drafts) is token-identical to sync; the back
 agree; bad requests fail alone with a clear message.
 
 The CI subset runs 6 cases per backend plus EBNF (13 requests) and 4 bad requests per
-mode; `test_sweep_50_requests` (marker `slow`) runs 50 per backend and mode.
+mode, plus an async run with a KV pool small enough to preempt constrained requests
+mid-grammar; `test_sweep_50_requests` (marker `slow`) runs 50 per backend and mode.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from so_workload import BAD_REQUESTS, CASES, MODES, Case, run_mode, sweep_cases
+from so_workload import BAD_REQUESTS, CASES, MODES, SWEEP_MODES, Case, run_mode, sweep_cases
 
 CI_CASES = [
     c
@@ -58,7 +59,12 @@ def test_async_defers_sampling_and_speculation_verifies_constrained_drafts(
     assert spec["accepted_drafts"] > 0
 
 
-@pytest.mark.parametrize("mode", ["async", "async-ngram"])
+def test_small_kv_pool_preempts_constrained_requests(runs: dict[str, dict[Any, Any]]) -> None:
+    assert runs["async-preempt"]["_stats"]["preemptions"] > 0
+    assert runs["sync"]["_stats"]["preemptions"] == 0
+
+
+@pytest.mark.parametrize("mode", ["async", "async-ngram", "async-preempt"])
 def test_async_is_token_identical_to_sync(runs: dict[str, dict[Any, Any]], mode: str) -> None:
     for key, out in runs["sync"].items():
         if isinstance(key, tuple):
@@ -91,7 +97,7 @@ def test_sweep_50_requests() -> None:
     by_name = {c.name: c for c in cases}
     results = {
         mode: run_mode(mode, cases, max_tokens=160, num_kv_blocks=1536, with_bad=False)
-        for mode in MODES
+        for mode in SWEEP_MODES
     }
     problems: list[str] = []
     for mode, outputs in results.items():

@@ -112,7 +112,10 @@ class EngineHookSpecs:
         rows for each request of `scheduler_output.structured_output_request_ids`, in that
         order (a request whose chunk does not sample still has its rows; they are
         ignored); a backend fills draft rows by accepting drafts and must roll its matcher
-        back after. The runner places the rows at the batch's sampled rows.
+        back after. Under async scheduling the scheduled drafts are `-1` placeholders; the
+        drafts the worker verifies are the ones it reported in the previous output's
+        `kept_draft_token_ids` (padded with token 0). The runner places the rows at the
+        batch's sampled rows; unconstrained rows allow every token.
         """
 
     @hookspec

@@ -16,7 +16,9 @@ Life of a constrained request:
 2. `poll_finished_requests` (each drain point, on the engine thread): a finished compile
    gives the request its matcher (it becomes ready); a compile error or a compile that
    outlives `compile_timeout_s` ends that request with `finish_reason == "error"` and a
-   message naming the field and the backend.
+   message naming the field and the backend. After a step that scheduled nothing it
+   first waits up to `IDLE_WAIT_S` for a compile to finish, so an engine with nothing
+   else to do does not spin through empty steps.
 3. `grammar_bitmask`: one int32 bitmask for the step, `1 + drafts` rows per request of
    `structured_output_request_ids`. A request without drafts gets its row in one batch
    fill per backend. With drafts: fill row 0, accept draft 1, fill row 1, ..., fill the
@@ -39,7 +41,7 @@ Invariant: a ready request's matcher state is exactly its confirmed output prefi
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -61,6 +63,9 @@ from tandem.structured_output.backend import (
     allocate_bitmask,
 )
 from tandem.structured_output.compile_pool import CompilePool
+
+#: Longest wait for a compile at a drain point after a step that scheduled nothing.
+IDLE_WAIT_S = 0.005
 
 
 @dataclass(slots=True, eq=False)
@@ -118,6 +123,10 @@ class StructuredOutputManager(TandemPlugin):
         self.num_bitmask_steps = 0
         self.num_deferred_steps = 0
         self.num_draft_rows = 0
+        #: The last step processed scheduled nothing: the engine may be idle, waiting only
+        #: for grammars to compile (then `poll_finished_requests` blocks briefly instead of
+        #: letting the loop spin through empty steps).
+        self._engine_idle = False
 
     # Backends ----------------------------------------------------------------------------
     def backend(self, name: str) -> GrammarBackend:
@@ -193,6 +202,9 @@ class StructuredOutputManager(TandemPlugin):
     @hookimpl
     def poll_finished_requests(self) -> list[PluginFinish] | None:
         if self._compiling:
+            if self._engine_idle:  # nothing else to do: wait for a compile, not spin
+                pending = [s.future for s in self._compiling.values()]
+                wait(pending, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
             now = time.monotonic()
             for rid, state in list(self._compiling.items()):
                 spec = state.request.sampling_params.structured_outputs
@@ -286,6 +298,7 @@ class StructuredOutputManager(TandemPlugin):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> None:
+        self._engine_idle = scheduler_output.total_num_scheduled_tokens == 0
         kept = model_runner_output.kept_draft_token_ids
         if kept:
             for rid, drafts in kept.items():

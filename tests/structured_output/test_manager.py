@@ -17,6 +17,7 @@ from tandem.core.config import EngineConfig
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.request import Request, RequestRejectedError
 from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.structured_outputs import StructuredOutputsParams
 from tandem.structured_output.backend import allocate_bitmask
 from tandem.structured_output.manager import StructuredOutputManager
 
@@ -62,6 +63,7 @@ def step(rids: list[str], spec: dict[str, list[int]] | None = None) -> Scheduler
     return SchedulerOutput(
         step_id=1,
         num_scheduled_tokens=dict.fromkeys(rids, 1),
+        total_num_scheduled_tokens=len(rids),
         scheduled_spec_decode_tokens=spec or {},
         structured_output_request_ids=list(rids),
     )
@@ -235,3 +237,27 @@ def test_pathological_regex_times_out_alone(smollm2_config: EngineConfig) -> Non
     assert [(f.request_id, f.finish_reason) for f in finished] == [("slow", "error")]
     assert "did not compile it within compile_timeout_s=0.3" in (finished[0].error or "")
     assert "fast" in manager._states and "slow" not in manager._states
+
+
+def test_idle_engine_waits_for_a_compile_instead_of_spinning(
+    smollm2_config: EngineConfig,
+) -> None:
+    from tandem.structured_output.manager import IDLE_WAIT_S
+
+    manager = make_manager(smollm2_config, max_compile_workers=1)
+    release = threading.Event()
+    spec = StructuredOutputsParams(regex="[0-9]+")
+    blocker = manager.pool.submit(BlockingBackend(release), spec)
+    request = constrained("r", regex="[a-z]+")
+    manager.add_request(request)  # queued behind the blocked worker
+    started = time.monotonic()
+    manager.poll_finished_requests()  # the engine is busy: no wait
+    busy = time.monotonic() - started
+    manager.update_from_output(step([]), ModelRunnerOutput())  # a step with nothing
+    started = time.monotonic()
+    manager.poll_finished_requests()
+    idle = time.monotonic() - started
+    release.set()
+    blocker.result()
+    assert busy < IDLE_WAIT_S <= idle
+    wait_ready(manager, request)

@@ -115,6 +115,8 @@ def drafting_cost(args: argparse.Namespace) -> dict[str, Any]:
         async_scheduling=False,
         speculative_config=spec_config("ngram", args),
         worker_num_threads=args.threads,
+        num_kv_blocks=max(args.kv_blocks, 2048),
+        max_model_len=args.max_model_len,
     )
     timer = DraftTimer()
     llm.engine.executor.worker.plugin_manager.register(timer, name="draft-timer")  # type: ignore[attr-defined]
@@ -172,6 +174,8 @@ def main() -> None:
     parser.add_argument("--eagle-k", type=int, default=3)
     parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--max-tokens", type=int, help="override the workload's max_tokens")
+    parser.add_argument("--kv-blocks", type=int, default=1024, help="KV pool per engine")
+    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--cost-tokens", type=int, default=32, help="0 skips the drafting cost")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "spec_decode.json"))
     args = parser.parse_args()
@@ -192,6 +196,8 @@ def main() -> None:
             speculative_config=spec_config(method, args),
             async_scheduling=async_flag,
             worker_num_threads=args.threads,
+            num_kv_blocks=args.kv_blocks,  # every engine stays alive: a small pool each
+            max_model_len=args.max_model_len,
         )
         llm.generate([requests[0]["prompt_token_ids"]], SamplingParams(temperature=0, max_tokens=8))
         engines[method] = llm

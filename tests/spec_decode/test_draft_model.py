@@ -120,7 +120,7 @@ def test_missing_model_is_a_config_error(tiny_llama: Path) -> None:
         )
 
 
-def test_smollm2_as_its_own_drafter(smollm2_dir: Path) -> None:
+def test_smollm2_as_its_own_drafter_sync_and_async(smollm2_dir: Path) -> None:
     from tandem.core.sampling_params import SamplingParams
     from tandem.llm import LLM
 
@@ -141,14 +141,19 @@ def test_smollm2_as_its_own_drafter(smollm2_dir: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=16, stop=[stop])
     expected = base.generate([prompt], params)[0].outputs[0]
     base.engine.shutdown()
-    spec = LLM(**settings, speculative_config=self_draft("default"))
-    out = spec.generate([prompt], params)[0].outputs[0]
-    assert (out.text, out.token_ids, out.finish_reason) == (
-        expected.text,
-        expected.token_ids,
-        expected.finish_reason,
-    )
     assert expected.finish_reason == "stop"
-    assert_all_accepted(spec_metrics(spec))
-    assert_idle_and_no_leak(spec)
-    spec.engine.shutdown()
+    for async_scheduling in (False, True):
+        spec = LLM(
+            **settings,
+            speculative_config=self_draft("default"),
+            async_scheduling=async_scheduling,
+        )
+        out = spec.generate([prompt], params)[0].outputs[0]
+        assert (out.text, out.token_ids, out.finish_reason) == (
+            expected.text,
+            expected.token_ids,
+            expected.finish_reason,
+        )
+        assert_all_accepted(spec_metrics(spec))
+        assert_idle_and_no_leak(spec)
+        spec.engine.shutdown()

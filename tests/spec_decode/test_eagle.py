@@ -320,7 +320,9 @@ def test_missing_head_directory_is_a_config_error(tiny_llama: Path, tmp_path: Pa
 # The embedded SmolLM2 ---------------------------------------------------------------------
 
 
-def test_smollm2_random_head_keeps_greedy_outputs(smollm2_dir: Path, tmp_path: Path) -> None:
+def test_smollm2_random_head_keeps_greedy_outputs_sync_and_async(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
     from tandem.core.sampling_params import SamplingParams
     from tandem.llm import LLM
 
@@ -328,7 +330,7 @@ def test_smollm2_random_head_keeps_greedy_outputs(smollm2_dir: Path, tmp_path: P
     prompts = ["The capital of France is"]
     params = SamplingParams(temperature=0.0, max_tokens=12)
     outputs = []
-    for spec in (None, eagle(head)):
+    for spec, async_scheduling in ((None, False), (eagle(head), False), (eagle(head), True)):
         llm = LLM(
             model="default",
             dtype="float32",
@@ -337,8 +339,9 @@ def test_smollm2_random_head_keeps_greedy_outputs(smollm2_dir: Path, tmp_path: P
             max_model_len=256,
             check_invariants=True,
             speculative_config=spec,
+            async_scheduling=async_scheduling,
         )
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         assert_idle_and_no_leak(llm)
         llm.engine.shutdown()
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] == outputs[2]

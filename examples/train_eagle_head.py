@@ -169,6 +169,7 @@ def make_llm(speculative: dict[str, Any] | None = None, **kw: Any) -> Any:
         model="default",
         dtype="float32",
         max_model_len=1024,
+        kv_cache_memory_gib=1.0,  # 23k tokens: plenty for 32 x (prompt + 128), and small
         max_num_seqs=kw.pop("max_num_seqs", 32),
         speculative_config=speculative,
         **kw,

@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, help="override the workload's max_tokens")
     parser.add_argument("--kv-blocks", type=int, default=1024, help="KV pool per engine")
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--cost-tokens", type=int, default=32, help="0 skips the drafting cost")
+    parser.add_argument("--cost-tokens", type=int, default=64, help="0 skips the drafting cost")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "spec_decode.json"))
     args = parser.parse_args()
 

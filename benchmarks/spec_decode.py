@@ -37,6 +37,11 @@ ROOT = Path(__file__).resolve().parent.parent
 def spec_config(method: str, args: argparse.Namespace) -> dict[str, Any] | None:
     if method == "none":
         return None
+    if method == "ngram_adaptive":  # k from --k, off above --disable-by-batch-size
+        return {
+            **(spec_config("ngram", args) or {}),
+            "disable_by_batch_size": args.disable_by_batch_size,
+        }
     if method.startswith("ngram"):  # "ngram" uses --k; "ngram8" uses k = 8
         return {
             "method": "ngram",
@@ -162,8 +167,11 @@ def main() -> None:
     parser.add_argument(
         "--methods",
         default="none,ngram",
-        help="comma list of none, ngram (k from --k), ngramK (k = K, e.g. ngram8), eagle",
+        help="comma list of none, ngram (k from --k), ngramK (k = K, e.g. ngram8), "
+        "ngram_adaptive (k from --k, speculative.disable_by_batch_size from "
+        "--disable-by-batch-size), eagle",
     )
+    parser.add_argument("--disable-by-batch-size", type=int, default=4)
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)

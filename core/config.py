@@ -87,6 +87,13 @@ class SpeculativeConfig(_Section):
     prompt_lookup_min: int = Field(1, ge=1)
     prompt_lookup_max: int = Field(3, ge=1)
     model: str | None = None
+    disable_by_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="no drafts are scheduled in a step while more than this many requests "
+        "are running (where a step is compute-bound, verifying 1 + k tokens per request "
+        "costs more than acceptance gains); None: always speculate",
+    )
 
 
 class StructuredOutputConfig(_Section):

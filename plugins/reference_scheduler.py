@@ -63,6 +63,8 @@ class ReferenceScheduler(TandemPlugin):
         self.num_steps_in_flight = 0
         self.num_preemptions = 0
         self.spec_metrics = SpecDecodeMetrics(config.num_spec_tokens)
+        spec = config.speculative
+        self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec else None
 
     # Requests in and out --------------------------------------------------------------
     @hookimpl
@@ -168,6 +170,11 @@ class ReferenceScheduler(TandemPlugin):
         preempted: list[Request] = []
 
         # First, schedule the RUNNING requests.
+        # `speculative.disable_by_batch_size`: a large batch verifies no drafts this step.
+        no_drafts = (
+            self.spec_disable_by_batch_size is not None
+            and len(self.running) > self.spec_disable_by_batch_size
+        )
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
@@ -181,7 +188,7 @@ class ReferenceScheduler(TandemPlugin):
                 # Async: the step in flight already reaches max_tokens; no extra step.
                 req_index += 1
                 continue
-            if request.spec_token_ids and self._samples_last_output_token(request):
+            if request.spec_token_ids and (no_drafts or self._samples_last_output_token(request)):
                 request.spec_token_ids = []
             num_new_tokens = self._num_new_tokens(
                 request, token_budget, request.num_computed_tokens

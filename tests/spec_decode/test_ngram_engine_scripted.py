@@ -267,3 +267,35 @@ def test_front_door_reports_spec_decode_metrics() -> None:
     plain = LLM(model="scripted", async_scheduling=False, max_model_len=256, block_size=4)
     assert plain.spec_decode_metrics() is None
     plain.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", SYNC_AND_ASYNC)
+def test_disable_by_batch_size_skips_drafts_while_the_batch_is_large(
+    async_scheduling: bool,
+) -> None:
+    """With `disable_by_batch_size: 3`, steps with more than 3 running requests schedule no
+    drafts; once the batch has drained to 3 or fewer, drafts are verified again. Outputs
+    stay those of the engine without speculation."""
+    reqs = [
+        (f"r{i}", repetitive_prompt(i, 12), {"max_tokens": 6 + 10 * i, "ignore_eos": True})
+        for i in range(6)
+    ]
+    settings = {"async_scheduling": async_scheduling}
+    want, _, _ = run(reqs, spec=False, **settings)
+    engine, log = engine_with_log(speculative={**NGRAM, "disable_by_batch_size": 3}, **settings)
+    for rid, prompt, params in reqs:
+        engine.add_request(make_request(rid, prompt, **params))
+    got = collect_outputs(engine)
+    assert got == want
+    running_before: list[int] = []
+    small_batch_drafts = False
+    for scheduled, spec, _ in log.steps:
+        running_before.append(len(scheduled))
+        if len(scheduled) > 3:
+            # All six are admitted in the first step (which has no drafts to verify), so a
+            # step scheduling more than 3 requests began with more than 3 running.
+            assert not spec, (scheduled, spec)
+        small_batch_drafts |= len(scheduled) <= 3 and bool(spec)
+    assert small_batch_drafts
+    assert max(running_before) == 6
+    assert scheduler_of(engine).spec_metrics.num_accepted_tokens > 0

@@ -97,23 +97,35 @@ class ValidRows:
         return [(q[i], q[i + 1]) for i in range(len(q) - 1)]
 
 
+def ragged_index(counts: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """For requests with `counts[i]` rows each, flattened in order: (cumulative starts
+    `[R + 1]`, the request of each row `[N]`, each row's index within its request `[N]`)."""
+    starts = [0]
+    for n in counts:
+        starts.append(starts[-1] + n)
+    count_t = torch.tensor(counts, dtype=torch.int64)
+    req_index = torch.repeat_interleave(torch.arange(len(counts)), count_t)
+    within = torch.arange(starts[-1], dtype=torch.int64) - torch.tensor(starts[:-1])[req_index]
+    return starts, req_index, within
+
+
+def batch_row_starts(context: DraftContext) -> list[int]:
+    """The first flat row of each request of `context` in the step's batch."""
+    assert context.batch is not None, "a model-based drafter needs DraftContext.batch"
+    row_starts = [0]
+    for n in context.batch.num_scheduled_tokens:
+        row_starts.append(row_starts[-1] + n)
+    return [row_starts[b] for b in context.batch_index]
+
+
 def valid_rows(context: DraftContext) -> ValidRows:
     """Gather, without per-token Python, the valid rows of every request of the step."""
     batch = context.batch
     assert batch is not None, "a model-based drafter needs DraftContext.batch"
     device = batch.input_ids.device
-    row_starts = [0]
-    for n in batch.num_scheduled_tokens:
-        row_starts.append(row_starts[-1] + n)
     counts = context.num_valid_tokens
-    starts = [row_starts[b] for b in context.batch_index]
-    qsl = [0]
-    for n in counts:
-        qsl.append(qsl[-1] + n)
-    count_t = torch.tensor(counts, dtype=torch.int64)
-    req_index = torch.repeat_interleave(torch.arange(len(counts)), count_t)
-    within = torch.arange(qsl[-1], dtype=torch.int64) - torch.tensor(qsl[:-1])[req_index]
-    rows = torch.tensor(starts, dtype=torch.int64)[req_index] + within
+    qsl, req_index, within = ragged_index(counts)
+    rows = torch.tensor(batch_row_starts(context), dtype=torch.int64)[req_index] + within
     computed = list(context.num_computed_tokens)
     positions = torch.tensor(computed, dtype=torch.int64)[req_index] + within
     return ValidRows(

@@ -24,7 +24,12 @@ from tandem.core import hookimpl
 from tandem.core.config import ConfigError, EngineConfig
 from tandem.core.worker.draft_context import DraftContext
 from tandem.core.worker.flat_batch import FlatBatch
-from tandem.spec_decode.draft_kv import DraftBlockTables, valid_rows
+from tandem.spec_decode.draft_kv import (
+    DraftBlockTables,
+    batch_row_starts,
+    ragged_index,
+    valid_rows,
+)
 
 
 class DraftModelOptions(BaseModel):
@@ -134,16 +139,8 @@ class DraftModelDrafter:
                     )
             # Each request's valid rows, then its bonus token (the last known token).
             total = [n + b for n, b in zip(counts, bonus, strict=True)]
-            qsl = [0]
-            for n in total:
-                qsl.append(qsl[-1] + n)
-            total_t = torch.tensor(total, dtype=torch.int64)
-            req_index = torch.repeat_interleave(torch.arange(len(total)), total_t)
-            within = torch.arange(qsl[-1], dtype=torch.int64) - torch.tensor(qsl[:-1])[req_index]
-            row_starts = [0]
-            for n in batch.num_scheduled_tokens:
-                row_starts.append(row_starts[-1] + n)
-            first_row = torch.tensor([row_starts[b] for b in context.batch_index])
+            qsl, req_index, within = ragged_index(total)
+            first_row = torch.tensor(batch_row_starts(context), dtype=torch.int64)
             flat = (first_row[req_index] + within).clamp(max=batch.num_tokens - 1).to(device)
             is_bonus = (within == torch.tensor(counts)[req_index]).to(device)
             bonus_ids = torch.tensor(

@@ -34,8 +34,9 @@ from tandem.core.worker.draft_context import DraftContext
 
 #: Buffer filler left of position 0 and past a row's end; never equal to a token id.
 _PAD = -2
-#: A request absent from this many consecutive calls loses its row (finished or long
-#: preempted); if it comes back its row is rebuilt from the context's history.
+#: A request's row is freed when the runner reports it finished or preempted
+#: (`DraftContext.finished_req_ids`), or, as a backstop, after this many consecutive calls
+#: without it; if it comes back its row is rebuilt from the context's history.
 _EVICT_AFTER_CALLS = 64
 
 
@@ -122,10 +123,7 @@ class NgramDrafter(TandemPlugin):
             return
         for req_id, slot in list(self._slot.items()):
             if stale[slot]:
-                del self._slot[req_id]
-                self._buf[slot, : self._len[slot]] = _PAD
-                self._len[slot] = 0
-                self._free.append(slot)
+                self._release(req_id)
 
     # Drafting -----------------------------------------------------------------------------
     def propose(self, rows: np.ndarray, k: int) -> list[list[int]]:
@@ -163,9 +161,18 @@ class NgramDrafter(TandemPlugin):
             drafts.append(proposal)
         return drafts
 
+    def _release(self, req_id: str) -> None:
+        slot = self._slot.pop(req_id, None)
+        if slot is not None:
+            self._buf[slot, : self._len[slot]] = _PAD
+            self._len[slot] = 0
+            self._free.append(slot)
+
     @hookimpl
     def propose_drafts(self, context: DraftContext) -> list[list[int]]:
         self._calls += 1
+        for req_id in context.finished_req_ids:  # finished or preempted since the last call
+            self._release(req_id)
         out: list[list[int]] = [[] for _ in context.req_ids]
         drafting: list[int] = []
         rows: list[int] = []

@@ -96,3 +96,26 @@ def test_random_histories_match_the_reference_while_growing(min_n: int, max_n: i
 
 def test_context_may_ask_for_fewer_drafts_than_configured() -> None:
     assert propose(drafter(k=4), {"a": [1, 2, 3, 4, 1]}, 2) == {"a": [2, 3]}
+
+
+def test_rows_of_finished_requests_are_released() -> None:
+    """A request the runner reports finished (or preempted) gives its buffer row back at
+    the next call; the row is reused by the next new request."""
+    d = drafter()
+    history = [5, 6, 7, 5, 6]
+    d.propose_drafts(
+        DraftContext(req_ids=["a"], token_ids=[history], sampled_token_ids=[[6]], num_spec_tokens=3)
+    )
+    slot = d._slot["a"]
+    out = d.propose_drafts(
+        DraftContext(
+            req_ids=["b"],
+            token_ids=[history],
+            sampled_token_ids=[[6]],
+            num_spec_tokens=3,
+            finished_req_ids=["a"],
+        )
+    )
+    assert "a" not in d._slot
+    assert d._slot["b"] == slot  # the freed row is the next one handed out
+    assert out == [reference(history, 3, 1, 3)]

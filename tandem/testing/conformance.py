@@ -46,6 +46,10 @@ Checks (`CHECKS`), each run in both modes (`MODES`):
   strict prefix of their exact tokens, all others are exact, nothing leaks.
 - `preemption` (f): KV pools the size of one max-length sequence force preemption by
   recompute; outputs stay exact and nothing leaks.
+- `grammar-ready` (g): requests whose `grammar_ready()` stays False for a number of steps
+  (a grammar compiling) are never scheduled before it turns True, the requests added
+  behind them are scheduled meanwhile (waiting for a grammar blocks no one), and every
+  request still finishes with exact outputs.
 
 Per step, every check verifies (a violation raises `ConformanceError` naming the rule):
 
@@ -282,6 +286,9 @@ class RequestSpec:
     arrival: int = 0
     abort_at: int | None = None
     abort_in_flight_at: int | None = None
+    #: The request's `grammar_ready()` is False until this many steps have completed
+    #: (None: no grammar to wait for).
+    ready_at: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -671,6 +678,27 @@ def _preemption_workloads() -> tuple[Workload, ...]:
     )
 
 
+def _grammar_ready_workloads() -> tuple[Workload, ...]:
+    base = _random_requests(808, 8, 16, 12, 4, prefix="g")
+    # g0 and g3 wait for their grammar; g1, g2 (behind g0) and the rest must not wait.
+    waits = {"g0": 12, "g3": 6}
+    requests = tuple(
+        replace(s, ready_at=s.arrival + waits[s.rid]) if s.rid in waits else s for s in base
+    )
+    return (
+        Workload(
+            "grammar-ready",
+            requests,
+            _limits(num_kv_blocks=96, max_num_batched_tokens=32, max_num_seqs=4),
+        ),
+        Workload(
+            "grammar-ready-small-pool",
+            tuple(replace(s, rid=f"p-{s.rid}") for s in requests),
+            _limits(num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=4),
+        ),
+    )
+
+
 @dataclass(frozen=True)
 class Check:
     """A named check: what it verifies (beyond the per-step rules) and its workloads."""
@@ -712,6 +740,11 @@ CHECK_LIST: tuple[Check, ...] = (
         "preemption",
         "preemption by recompute keeps outputs exact and leaks nothing",
         _preemption_workloads(),
+    ),
+    Check(
+        "grammar-ready",
+        "a request is not scheduled while its grammar_ready() is False, and blocks no one",
+        _grammar_ready_workloads(),
     ),
 )
 #: The check names, in run order.
@@ -877,6 +910,9 @@ class _Driver:
     # Events -------------------------------------------------------------------------
     def add(self, spec: RequestSpec) -> None:
         request = spec.make()
+        if spec.ready_at is not None:
+            ready_at = spec.ready_at
+            request.grammar_ready = lambda: self.step > ready_at  # `step` is being planned
         num_ahead = sum(1 for rid in self.requests if self.finish.get(rid) is None)
         self.requests[spec.rid] = request
         self.tokens[spec.rid] = []
@@ -916,6 +952,14 @@ class _Driver:
                     admitted,
                 )
         for rid, n in scheduled.items():
+            ready_at = self.specs[rid].ready_at if rid in self.specs else None
+            if ready_at is not None and self.step <= ready_at:
+                raise self.error(
+                    "a request is not scheduled while its grammar_ready() is False",
+                    f"{rid} scheduled in step {self.step}; its grammar is ready after step "
+                    f"{ready_at}",
+                    rid,
+                )
             request = self.requests.get(rid)
             if request is None or rid not in state.requests or request.is_finished:
                 raise self.error(
@@ -1151,7 +1195,31 @@ class _Driver:
             wait_bounds=dict(self.wait_bounds),
         )
 
+    def check_not_blocked(self) -> None:
+        """Each request waiting for its grammar let a request added after it run first."""
+        requests = self.workload.requests
+        for i, spec in enumerate(requests):
+            if spec.ready_at is None:
+                continue
+            behind = [  # added after it (same step: later in the list), needing no grammar
+                other.rid
+                for j, other in enumerate(requests)
+                if other.ready_at is None
+                and (other.arrival, j) > (spec.arrival, i)
+                and other.arrival < spec.ready_at
+            ]
+            if behind and not any(
+                self.first_scheduled.get(rid, 1 << 30) <= spec.ready_at for rid in behind
+            ):
+                raise self.error(
+                    "a request waiting for its grammar does not block the requests behind it",
+                    f"{spec.rid} waited for its grammar until step {spec.ready_at}; none of "
+                    f"{behind} was scheduled before then",
+                    spec.rid,
+                )
+
     def check_end(self) -> None:
+        self.check_not_blocked()
         if self.engine.batch_queue:
             raise self.error(
                 "no step is left in flight when idle",

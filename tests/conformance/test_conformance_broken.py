@@ -163,6 +163,54 @@ def assert_well_formed(error: ConformanceError, plugin: str) -> None:
     assert "ledger: {" in message
 
 
+class IgnoresGrammarReady(ReferenceScheduler):
+    """Admits a request whose grammar is still compiling."""
+
+    @hookimpl
+    def schedule(self) -> SchedulerOutput:
+        for request in self.waiting:
+            request.grammar_ready = None  # the bug
+        return super().schedule()
+
+
+class BlocksBehindGrammar(ReferenceScheduler):
+    """Admits nobody while the oldest waiting request's grammar is compiling."""
+
+    @hookimpl
+    def schedule(self) -> SchedulerOutput:
+        head = self.waiting.peek() if self.waiting else None
+        if head is None or head.grammar_ready is None or head.grammar_ready():
+            return super().schedule()
+        limit, self.max_num_running_reqs = self.max_num_running_reqs, len(self.running)
+        try:
+            return super().schedule()  # the bug: RUNNING only, the queue waits for the head
+        finally:
+            self.max_num_running_reqs = limit
+
+
+def test_ignoring_grammar_ready_fails_the_grammar_ready_check() -> None:
+    report = run_conformance(IgnoresGrammarReady)
+    failures = failed(report)
+    assert set(failures) == {("grammar-ready", "sync"), ("grammar-ready", "async")}, (
+        report.summary()
+    )
+    for error in failures.values():
+        assert_well_formed(error, "test-ignores-grammar-ready")
+        assert error.invariant == "a request is not scheduled while its grammar_ready() is False"
+        assert "its grammar is ready after step" in error.detail
+
+
+def test_blocking_behind_a_compiling_grammar_fails_the_grammar_ready_check() -> None:
+    report = run_conformance(BlocksBehindGrammar, checks=["grammar-ready", "greedy-parity"])
+    failures = failed(report)
+    assert set(failures) == {("grammar-ready", "sync"), ("grammar-ready", "async")}, (
+        report.summary()
+    )
+    for error in failures.values():
+        assert_well_formed(error, "test-blocks-behind-grammar")
+        assert error.invariant.startswith("a request waiting for its grammar does not block")
+
+
 def test_forgotten_placeholders_fail_every_async_check_and_no_sync_one() -> None:
     report = run_conformance(ForgetsPlaceholders)
     failures = failed(report)

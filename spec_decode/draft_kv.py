@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.core.config import ConfigError, EngineConfig
 from tandem.core.worker.draft_context import DraftContext
 
 
@@ -40,6 +41,20 @@ class DraftBlockTables:
         self.max_reqs = max_reqs
         self.scratch_per_req = cdiv(max_draft_positions, block_size) + 1
         self.total_blocks = num_blocks + max_reqs * self.scratch_per_req
+
+    @classmethod
+    def for_config(cls, config: EngineConfig, drafter: str) -> DraftBlockTables:
+        """Tables for the resolved `config`: the target's pool, `max_num_seqs` requests,
+        `num_spec_tokens + 1` draft positions. `drafter` names the plugin in errors."""
+        num_blocks = config.cache.num_kv_blocks
+        if num_blocks is None:
+            raise ConfigError(f"{drafter}: cache.num_kv_blocks must be resolved")
+        return cls(
+            num_blocks,
+            config.cache.block_size,
+            config.scheduler.max_num_seqs,
+            config.num_spec_tokens + 1,
+        )
 
     def table(
         self, block_ids: list[list[int]], seq_lens: list[int], device: torch.device

@@ -50,16 +50,8 @@ class DraftModelDrafter:
                 "draft-model-drafter: speculative.model must name the draft model "
                 "(a directory, a GGUF file or 'default')"
             )
-        num_blocks = config.cache.num_kv_blocks
-        if num_blocks is None:
-            raise ConfigError("draft-model-drafter: cache.num_kv_blocks must be resolved")
-        self.num_blocks = num_blocks
-        self.block_size = config.cache.block_size
-        self.max_num_seqs = config.scheduler.max_num_seqs
-        self.num_spec_tokens = config.num_spec_tokens
-        self.tables = DraftBlockTables(
-            num_blocks, self.block_size, self.max_num_seqs, self.num_spec_tokens + 1
-        )
+        self.tables = DraftBlockTables.for_config(config, "draft-model-drafter")
+        self.block_size = self.tables.block_size
         self.model: Any = None
 
     def _setup(self, target: Any) -> Any:

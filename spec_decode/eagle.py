@@ -93,13 +93,8 @@ class EagleDrafter:
                 f"eagle-drafter: {self.head_dir} has no {CONFIG_FILE}: not an EAGLE head "
                 "checkpoint (create one with examples/train_eagle_head.py)"
             )
-        num_blocks = config.cache.num_kv_blocks
-        if num_blocks is None:
-            raise ConfigError("eagle-drafter: cache.num_kv_blocks must be resolved")
-        self.num_blocks = num_blocks
-        self.block_size = config.cache.block_size
-        self.max_num_seqs = config.scheduler.max_num_seqs
-        self.num_spec_tokens = config.num_spec_tokens
+        self.tables = DraftBlockTables.for_config(config, "eagle-drafter")
+        self.block_size = self.tables.block_size
         self._serving: _Serving | None = None
 
     def _setup(self, target: Any) -> _Serving:
@@ -121,9 +116,7 @@ class EagleDrafter:
         )
         if cfg.head_dim != target_head_dim:
             raise ConfigError("eagle-drafter: the head's head_dim must equal the target's")
-        tables = DraftBlockTables(
-            self.num_blocks, self.block_size, self.max_num_seqs, self.num_spec_tokens + 1
-        )
+        tables = self.tables
         shape = (tables.total_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         kv = [
             (

@@ -4,6 +4,11 @@ Text grows by decoding a short window of recent tokens and taking the new suffix
 token costs O(window), and a token that ends inside a multi-byte character (decoded as
 U+FFFD) waits for the next one. Stop strings are searched only in the region the new text
 could have completed, so a stop string spanning two tokens is caught.
+
+As in vLLM, a request the engine ended with a stop (EOS or one of `stop_token_ids`) keeps
+that token in its token ids but not its text, unless `include_stop_str_in_output`. While
+a request runs, `visible_text` holds back the last `max(len(stop)) - 1` characters
+(stop strings excluded from the output), so streamed text is never retracted.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from typing import Any
 class IncrementalDetokenizer:
     """Text of one request's output tokens; `append` reports a matched stop string.
 
-    Invariant: `text` is the decoded output (without the stop string unless
-    `include_stop_str_in_output`), never loses text before a stop string.
+    Invariant: `text` is the decoded output (without the stop string, or the text of a
+    stop token that ended the request, unless `include_stop_str_in_output`), never loses
+    text before a stop string; `token_ids` holds every token appended, the stop token too.
     """
 
     def __init__(
@@ -25,23 +31,52 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool,
         min_tokens: int,
         skip_special_tokens: bool,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.include_stop = include_stop_str_in_output
         self.min_tokens = min_tokens
         self.skip_special = skip_special_tokens
+        self.spaces_between_special = spaces_between_special_tokens
         self.token_ids: list[int] = []
         self.text = ""
         self._prefix_offset = 0
         self._read_offset = 0
         self._max_stop_len = max((len(s) for s in stop), default=0)
+        #: Characters `visible_text` holds back while the request runs.
+        self.stop_buffer_length = (
+            self._max_stop_len - 1 if stop and not include_stop_str_in_output else 0
+        )
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special,
+            spaces_between_special_tokens=self.spaces_between_special,
+        )
 
-    def append(self, new_token_ids: list[int]) -> str | None:
-        """Add tokens; return the stop string that ended the output, if one did."""
+    def visible_text(self, finished: bool) -> str:
+        """The text a client may see now: all of it once finished, else all but the last
+        `stop_buffer_length` characters (a stop string may still cut them)."""
+        if finished or not self.stop_buffer_length:
+            return self.text
+        return self.text[: max(len(self.text) - self.stop_buffer_length, 0)]
+
+    def append(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
+        """Add tokens; return the stop string that ended the output, if one did.
+
+        `stop_terminated`: the engine ended the request at the last of these tokens (EOS
+        or a stop token id); its text is left out unless `include_stop_str_in_output`."""
+        skipped: int | None = None
+        if stop_terminated and new_token_ids and not self.include_stop:
+            *new_token_ids, skipped = new_token_ids
+        stop = self._append(new_token_ids)
+        if skipped is not None and stop is None:
+            self.token_ids.append(skipped)
+        return stop
+
+    def _append(self, new_token_ids: list[int]) -> str | None:
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])

@@ -1,10 +1,18 @@
-"""What the worker returns for one step, and the sampler's result inside the worker."""
+"""What the worker returns for one step, and the sampler's result inside the worker.
+
+Logprobs travel from the worker to the client as `TokenLogprobs`: one dict per position,
+{token id: (logprob, rank)} with the sampled (or, for prompt logprobs, the actual prompt)
+token first, then the top-N of that position (rank 1 = most likely). The output processor
+turns them into vLLM's `Logprob` objects with decoded tokens.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from tandem.core.outputs import TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -37,9 +45,47 @@ class ModelRunnerOutput:
     req_ids: list[str] = field(default_factory=list)
     req_id_to_index: dict[str, int] = field(default_factory=dict)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[dict[int, tuple[float, int]]] | None] | None = None
+    logprobs: list[list[TokenLogprobs] | None] | None = None
     draft_token_ids: dict[str, list[int]] | None = None
     kept_draft_token_ids: dict[str, list[int]] | None = None
+    #: Per request sampling its first token this step with `prompt_logprobs` set: one
+    #: entry per prompt token after the first (vLLM's prompt logprobs without the leading
+    #: None), computed over all its prefill chunks.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
+
+
+@dataclass(slots=True)
+class PromptLogprobChunk:
+    """Prompt logprobs of one prefill chunk, still as tensors (possibly on the device):
+    per position the actual next prompt token, its logprob and rank, and the top-k."""
+
+    token_ids: torch.Tensor  # [m] int64
+    logprobs: torch.Tensor  # [m] float32
+    ranks: torch.Tensor  # [m] int64
+    top_ids: torch.Tensor  # [m, k] int64
+    top_logprobs: torch.Tensor  # [m, k] float32
+
+    def to_host(self) -> list[TokenLogprobs]:
+        ids, lps, ranks = (t.tolist() for t in (self.token_ids, self.logprobs, self.ranks))
+        top_ids, top_lps = self.top_ids.tolist(), self.top_logprobs.tolist()
+        entries = []
+        for i, token in enumerate(ids):
+            entry = {token: (lps[i], ranks[i])}
+            for rank, (tid, lp) in enumerate(zip(top_ids[i], top_lps[i], strict=True), 1):
+                entry.setdefault(tid, (lp, rank))
+            entries.append(entry)
+        return entries
+
+
+def prompt_logprob_chunk(logits: torch.Tensor, next_ids: list[int], k: int) -> PromptLogprobChunk:
+    """Logprobs (of the raw model distribution) of `next_ids[i]` under `logits[i]`, with
+    its rank and the top `k`; vectorised over the chunk's positions."""
+    logprobs = logits.float().log_softmax(dim=1)
+    target = torch.tensor(next_ids, dtype=torch.int64, device=logits.device)
+    chosen = logprobs.gather(1, target[:, None])
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    top = logprobs.topk(k, dim=1)
+    return PromptLogprobChunk(target, chosen[:, 0], ranks, top.indices, top.values)
 
 
 def logprobs_per_request(
@@ -49,12 +95,12 @@ def logprobs_per_request(
     num_top_logprobs: list[int | None],
     sampled_rows: list[list[int]],
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-) -> list[list[dict[int, tuple[float, int]]] | None]:
+) -> list[list[TokenLogprobs] | None]:
     """For each sampling request that asked (`num_top_logprobs` not None, one entry per
     sampling request): one {token: (logprob, rank)} per new token, the sampled token first,
     then the top-N of that position."""
     token_ids, values, ranks = (t.tolist() for t in logprobs)
-    out: list[list[dict[int, tuple[float, int]]] | None] = [None] * num_reqs
+    out: list[list[TokenLogprobs] | None] = [None] * num_reqs
     row = 0
     for r, k, num_top in zip(sample_req_indices, num_draft_tokens, num_top_logprobs, strict=True):
         if num_top is not None:
@@ -90,6 +136,7 @@ class AsyncModelRunnerOutput:
     sampled_token_ids: torch.Tensor  # host [num_sampling_requests, 1], possibly in flight
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     copy_done: torch.cuda.Event | None = None
+    prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
 
     def get_output(self) -> ModelRunnerOutput:
         if self.copy_done is not None:
@@ -114,6 +161,7 @@ class AsyncModelRunnerOutput:
             req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
             sampled_token_ids=sampled_rows,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

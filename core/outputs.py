@@ -1,8 +1,35 @@
-"""Outputs crossing from the engine to the client."""
+"""Outputs crossing from the engine to the client.
+
+The client-side types follow vLLM: `Logprob`, `SampleLogprobs` (one {token id: Logprob}
+per output token) and `PromptLogprobs` (one per prompt token, the first None),
+`CompletionOutput` and `RequestOutput`. Inside the engine, logprobs travel as compact
+`TokenLogprobs` dicts {token id: (logprob, rank)}; the output processor converts them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+#: One position's logprobs inside the engine: {token id: (logprob, rank)}, the chosen
+#: token first.
+TokenLogprobs = dict[int, tuple[float, int]]
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One token's log probability (vLLM's `Logprob`): `rank` is 1 for the most likely
+    token; `decoded_token` is the token decoded alone (None when `detokenize` is False or
+    there is no tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: Per output token: the sampled token and the top-N, {token id: Logprob}.
+SampleLogprobs = list[dict[int, Logprob]]
+#: Per prompt token: the prompt token and the top-N; None for the first token.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)
@@ -14,9 +41,12 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    new_logprobs: list[dict[int, tuple[float, int]]] | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
     #: Why the request failed, for `finish_reason == "error"`.
     error: str | None = None
+    #: With the first output token of a request asking for `prompt_logprobs`: one entry per
+    #: prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -44,14 +74,21 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One generated sequence (vLLM's `CompletionOutput`)."""
+    """One generated sequence (vLLM's `CompletionOutput`).
+
+    `logprobs` (when `SamplingParams.logprobs` is set) has one dict per token of
+    `token_ids`; `cumulative_logprob` is the sum of the sampled tokens' logprobs then, else
+    None. With `output_kind=DELTA` a streamed output holds only the new tokens, text and
+    logprobs (`cumulative_logprob` stays the running total).
+    """
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, tuple[float, int]]] | None = None
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -70,3 +107,5 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = field(default=None)
+    #: With `SamplingParams.prompt_logprobs`: one entry per prompt token, the first None.
+    prompt_logprobs: PromptLogprobs | None = None

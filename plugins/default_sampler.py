@@ -1,9 +1,12 @@
 """The default sampler plugin: vectorised over the batch, seeded by (seed, output index).
 
-Per row: grammar bitmask, penalties (presence, frequency, repetition), then greedy argmax
-when temperature is 0, else temperature, top-k, top-p, min-p and a Gumbel-max draw. The
-Gumbel noise of a seeded row is a counter-based hash of (seed, output position, token id),
-so a seeded request samples the same tokens in any batch and under sync or async
+Per row: logit bias, allowed token ids, grammar bitmask, penalties (presence, frequency,
+repetition), blocked tokens (min_tokens, bad words), then greedy argmax when the
+temperature is below `SAMPLING_EPS` (as vLLM), else temperature, top-k, top-p, min-p and a
+Gumbel-max draw. Logprobs are those of the raw model distribution (vLLM's default
+`raw_logprobs`). The Gumbel noise of a seeded row is a counter-based hash of (seed, output
+position, token id) in wrapping 64-bit arithmetic, so every seed in [0, 2**64 - 1] is
+distinct and a seeded request samples the same tokens in any batch and under sync or async
 scheduling. Draft verification is `tandem.spec_decode.rejection_sampler`: for a
 deterministic drafter (`metadata.draft_probs` None) each row samples its own token and a
 request keeps its drafts while they equal them, then one more (exact rejection sampling with
@@ -21,6 +24,7 @@ import torch
 from tandem.core import hookimpl
 from tandem.core.model_runner_output import SamplerOutput
 from tandem.core.plugin_manager import TandemPlugin
+from tandem.core.sampling_params import SAMPLING_EPS
 from tandem.core.worker.sampling_metadata import SamplingMetadata
 from tandem.spec_decode.rejection_sampler import rejection_sample
 
@@ -98,6 +102,22 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
     logits -= presence[:, None] * seen.to(logits.dtype)
 
 
+def apply_logit_bias_and_allowed(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """In place: add each row's `logit_bias`, then -inf outside a restricted row's
+    `allowed_token_ids`."""
+    device = logits.device
+    if metadata.logit_bias is not None:
+        rows, tokens, bias = (t.to(device) for t in metadata.logit_bias)
+        logits.index_put_((rows, tokens), bias.to(logits.dtype), accumulate=True)
+    if metadata.allowed_token_ids is not None:
+        rows, tokens = (t.to(device) for t in metadata.allowed_token_ids)
+        allowed = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+        allowed[rows, tokens] = True
+        restricted = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
+        restricted[rows] = True
+        logits.masked_fill_(restricted[:, None] & ~allowed, float("-inf"))
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """In place: -inf where the int32 bitmask (32 tokens per word, LSB first) has a 0 bit."""
     rows, vocab = logits.shape
@@ -143,6 +163,8 @@ class DefaultSampler(TandemPlugin):
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.to(torch.float32)
         raw_logprobs = logits.log_softmax(dim=1) if metadata.max_num_logprobs is not None else None
+        if metadata.logit_bias is not None or metadata.allowed_token_ids is not None:
+            apply_logit_bias_and_allowed(logits, metadata)
         if metadata.grammar_bitmask is not None:
             apply_bitmask(logits, metadata.grammar_bitmask.to(logits.device))
         if metadata.output_token_ids is not None:
@@ -185,13 +207,16 @@ class DefaultSampler(TandemPlugin):
             return greedy
         scaled = self._scaled(logits, metadata)
         drawn = (scaled + self._gumbel(metadata, *scaled.shape)).argmax(dim=1)
-        return torch.where(metadata.temperature > 0, drawn, greedy)
+        return torch.where(metadata.temperature < SAMPLING_EPS, greedy, drawn)
 
     @staticmethod
     def _scaled(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Temperature-scaled logits with -inf outside top-k, top-p and min-p."""
+        """Temperature-scaled logits with -inf outside top-k, top-p and min-p. Greedy rows
+        (temperature below `SAMPLING_EPS`) are left unscaled: dividing by a tiny
+        temperature would overflow to inf and turn top-p's softmax into NaN."""
         temperature = metadata.temperature
-        scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+        sampling = temperature >= SAMPLING_EPS
+        scaled = logits / torch.where(sampling, temperature, 1.0)[:, None]
         return filter_top_k_top_p_min_p(scaled, metadata.top_k, metadata.top_p, metadata.min_p)
 
     def _uniform(
@@ -201,7 +226,7 @@ class DefaultSampler(TandemPlugin):
         others from the sampler's generator."""
         device = metadata.temperature.device
         uniform = torch.rand((rows, vocab), generator=self.generator).to(device)
-        seeded = metadata.seeds >= 0
+        seeded = metadata.seeded if metadata.seeded is not None else metadata.seeds >= 0
         if bool(seeded.any()):
             idx = seeded.nonzero().squeeze(1)
             uniform[idx] = seeded_uniform(
@@ -225,7 +250,7 @@ class DefaultSampler(TandemPlugin):
         scaled = self._scaled(logits, metadata)
         rows, vocab = scaled.shape
         gumbel = self._gumbel(metadata, rows, vocab)
-        is_greedy = metadata.temperature <= 0
+        is_greedy = metadata.temperature < SAMPLING_EPS
         bonus = torch.where(is_greedy, greedy, (scaled + gumbel).argmax(dim=1))
         probs = scaled.softmax(dim=1)
         probs = torch.where(

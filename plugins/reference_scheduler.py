@@ -250,7 +250,12 @@ class ReferenceScheduler(TandemPlugin):
                 if request.grammar_ready is not None and not request.grammar_ready():
                     skipped.append(self.waiting.pop())
                     continue
-                hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+                # Prompt logprobs need every prompt position computed (vLLM skips the cache too).
+                hit_blocks, num_hit_tokens = (
+                    self.kv_cache_manager.get_computed_blocks(request)
+                    if request.sampling_params.prompt_logprobs is None
+                    else ([], 0)
+                )
                 num_new_tokens = self._num_new_tokens(request, token_budget, num_hit_tokens)
                 if num_new_tokens <= 0:
                     break
@@ -399,6 +404,7 @@ class ReferenceScheduler(TandemPlugin):
                     request_id=request_id,
                     new_token_ids=new_token_ids,
                     new_logprobs=new_logprobs,
+                    prompt_logprobs=(model_runner_output.prompt_logprobs or {}).get(request_id),
                     finish_reason=request.status.finish_reason if stopped else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),

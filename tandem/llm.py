@@ -16,7 +16,7 @@ from tandem.core.output_processor import OutputProcessor
 from tandem.core.outputs import CompletionOutput, RequestOutput
 from tandem.core.request import Request, RequestRejectedError
 from tandem.core.resolve import resolve_config
-from tandem.core.sampling_params import SamplingParams
+from tandem.core.sampling_params import SEED_MAX, SamplingParams
 
 PromptType = str | Sequence[int] | dict[str, Any]
 
@@ -85,7 +85,16 @@ class LLM:
         params: SamplingParams,
         priority: int,
     ) -> None:
+        """Add one sequence. Its prompt is cut to the last `truncate_prompt_tokens` tokens
+        (-1: `max_model_len - 1`, leaving one position for output); a seed past 2**64 - 1
+        (child j of an `n > 1` request gets seed + j) wraps modulo 2**64."""
         params = self._bad_words_token_ids(params)
+        if params.seed is not None and params.seed > SEED_MAX:
+            params = params.model_copy(update={"seed": params.seed % (SEED_MAX + 1)})
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.config.max_model_len - 1 if keep == -1 else keep
+            token_ids = token_ids[-keep:]
         request = Request(
             request_id=rid,
             prompt_token_ids=token_ids,
@@ -172,6 +181,7 @@ class LLM:
                 finish_reason=o.outputs[0].finish_reason,
                 stop_reason=o.outputs[0].stop_reason,
                 logprobs=o.outputs[0].logprobs,
+                cumulative_logprob=o.outputs[0].cumulative_logprob,
             )
             for j, o in enumerate(outs)
         ]

@@ -2,7 +2,8 @@
 
 A request keeps its row from admission to removal, so per-row state (sampling parameters
 as tensors, and later the device-resident sampled ids of async scheduling) is written once
-and indexed every step. Removing a request leaves a hole; `condense()` fills holes by
+and indexed every step. Sparse per-request parameters (`logit_bias`, `allowed_token_ids`)
+are kept as tensors keyed by request id, built once at admission. Removing a request leaves a hole; `condense()` fills holes by
 moving the highest rows down, so only as many rows move as there were holes above the new
 end. Steps are laid out in row order.
 """
@@ -11,14 +12,28 @@ from __future__ import annotations
 
 import torch
 
-from tandem.core.sampling_params import SamplingParams
+from tandem.core.sampling_params import SAMPLING_EPS, SEED_MAX, SamplingParams
+
+#: The largest float32: a temperature above it would become inf in the tensor (and
+#: -inf / inf is NaN, which would let a blocked token through).
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def seed_as_int64(seed: int) -> int:
+    """A seed in [0, 2**64 - 1] as the int64 with the same 64 bits (two's complement):
+    a bijection, so the sampler's wrapping 64-bit hash sees every seed's full value."""
+    if not 0 <= seed <= SEED_MAX:
+        raise ValueError(f"seed: expected an integer in [0, 2**64 - 1] (got {seed})")
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 class InputBatch:
     """Rows `0..num_rows-1`; `req_ids[row]` is None for a hole.
 
     Invariants: `req_id_to_row[req_ids[r]] == r` for every occupied row; after `condense()`
-    there is no hole below `num_rows`.
+    there is no hole below `num_rows`. `temperature[row] == 0` exactly for greedy requests
+    (temperature below `SAMPLING_EPS`; greedy rows also get no top-k/top-p/min-p, as in
+    vLLM). `seeded[row]` says whether `seeds[row]` (the seed's 64 bits as int64) is used.
     """
 
     #: Per-row parameter tensors: name -> (dtype, value of an empty row).
@@ -27,7 +42,8 @@ class InputBatch:
         "top_k": (torch.int64, 0),
         "top_p": (torch.float32, 1.0),
         "min_p": (torch.float32, 0.0),
-        "seeds": (torch.int64, -1),
+        "seeds": (torch.int64, 0),
+        "seeded": (torch.bool, False),
         "presence": (torch.float32, 0.0),
         "frequency": (torch.float32, 0.0),
         "repetition": (torch.float32, 1.0),
@@ -38,6 +54,7 @@ class InputBatch:
     top_p: torch.Tensor
     min_p: torch.Tensor
     seeds: torch.Tensor
+    seeded: torch.Tensor
     presence: torch.Tensor
     frequency: torch.Tensor
     repetition: torch.Tensor
@@ -48,6 +65,10 @@ class InputBatch:
         self.req_id_to_row: dict[str, int] = {}
         for name, (dtype, fill) in self.COLUMNS.items():
             setattr(self, name, torch.full((max_num_reqs,), fill, dtype=dtype))
+        #: req id -> (token ids, biases) of its `logit_bias`.
+        self.logit_bias: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: req id -> its `allowed_token_ids`.
+        self.allowed_token_ids: dict[str, torch.Tensor] = {}
 
     @property
     def num_rows(self) -> int:
@@ -64,14 +85,25 @@ class InputBatch:
             row = len(self.req_ids)
             self.req_ids.append(req_id)
         self.req_id_to_row[req_id] = row
-        self.temperature[row] = params.temperature
-        self.top_k[row] = params.top_k
-        self.top_p[row] = params.top_p
-        self.min_p[row] = params.min_p
-        self.seeds[row] = params.seed if params.seed is not None else -1
+        greedy = params.temperature < SAMPLING_EPS
+        self.temperature[row] = 0.0 if greedy else min(params.temperature, _FLOAT32_MAX)
+        self.top_k[row] = -1 if greedy else params.top_k
+        self.top_p[row] = 1.0 if greedy else params.top_p
+        self.min_p[row] = 0.0 if greedy else params.min_p
+        self.seeded[row] = params.seed is not None
+        self.seeds[row] = seed_as_int64(params.seed) if params.seed is not None else 0
         self.presence[row] = params.presence_penalty
         self.frequency[row] = params.frequency_penalty
         self.repetition[row] = params.repetition_penalty
+        if params.logit_bias:
+            self.logit_bias[req_id] = (
+                torch.tensor(list(params.logit_bias), dtype=torch.int64),
+                torch.tensor(list(params.logit_bias.values()), dtype=torch.float32),
+            )
+        if params.allowed_token_ids is not None:
+            self.allowed_token_ids[req_id] = torch.tensor(
+                params.allowed_token_ids, dtype=torch.int64
+            )
         return row
 
     def _grow(self) -> None:
@@ -84,6 +116,8 @@ class InputBatch:
 
     def remove(self, req_id: str) -> None:
         row = self.req_id_to_row.pop(req_id, None)
+        self.logit_bias.pop(req_id, None)
+        self.allowed_token_ids.pop(req_id, None)
         if row is not None:
             self.req_ids[row] = None
 

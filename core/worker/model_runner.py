@@ -18,10 +18,13 @@ import torch
 from tandem.core.model_runner_output import (
     AsyncModelRunnerOutput,
     ModelRunnerOutput,
+    PromptLogprobChunk,
     SamplerOutput,
+    TokenLogprobs,
     logprobs_per_request,
+    prompt_logprob_chunk,
 )
-from tandem.core.sampling_params import SamplingParams
+from tandem.core.sampling_params import SamplingParams, num_logprobs
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.draft_context import DraftContext
 from tandem.core.worker.flat_batch import FlatBatch, build_flat_batch
@@ -126,6 +129,9 @@ class ModelRunner:
         #: The drafter's last proposal per request. Under async scheduling the scheduler
         #: schedules `-1` draft placeholders and the real drafts never leave the worker.
         self.drafts: dict[str, list[int]] = {}
+        #: Prompt logprobs computed so far per request asking for them (one entry per
+        #: prefill chunk), handed out with the request's first sampled token.
+        self._prompt_logprobs: dict[str, list[PromptLogprobChunk]] = {}
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
@@ -172,11 +178,74 @@ class ModelRunner:
         )
         if self.prev_sampled_token_ids is not None:
             self._fill_sampled_inputs(batch, states, num_scheduled)
-        logits = self.model.forward(batch) if batch.num_tokens else torch.zeros(0, 1)
+        logits = self._forward(so, batch, states) if batch.num_tokens else torch.zeros(0, 1)
         hidden = None
         if self.keep_hidden_states and batch.num_tokens:
             hidden, self.model.last_hidden_states = self.model.last_hidden_states, None
         self._pending.append((so, batch, logits, hidden))
+
+    def _forward(
+        self, so: SchedulerOutput, batch: FlatBatch, states: list[RunnerRequestState]
+    ) -> torch.Tensor:
+        """The model's logits at the sampled rows. For requests asking for prompt logprobs
+        (before their first output token), the logits of this chunk's prompt positions are
+        computed in the same forward and turned into `PromptLogprobChunk`s."""
+        for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
+            self._prompt_logprobs.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self._prompt_logprobs.pop(new.req_id, None)
+        # (state, first scheduled position, first extra logits row, rows)
+        wanted: list[tuple[RunnerRequestState, int, int, int]] = []
+        extra_rows: list[torch.Tensor] = []
+        num_extra = 0
+        offset = 0
+        for state, start, n in zip(
+            states, batch.num_computed_tokens, batch.num_scheduled_tokens, strict=True
+        ):
+            if state.sampling_params.prompt_logprobs is not None and state.num_output_tokens == 0:
+                self._prompt_logprobs.setdefault(state.req_id, [])
+                # Logits at position i score prompt token i + 1: positions up to P - 2.
+                count = max(min(start + n, state.num_prompt_tokens - 1) - start, 0)
+                if count:
+                    first = batch.logits_indices.shape[0] + num_extra
+                    wanted.append((state, start, first, count))
+                    extra_rows.append(torch.arange(offset, offset + count, dtype=torch.int64))
+                    num_extra += count
+            offset += n
+        if not wanted:
+            return self.model.forward(batch)
+        sample_rows = batch.logits_indices
+        batch.logits_indices = torch.cat(
+            [sample_rows, torch.cat(extra_rows).to(sample_rows.device)]
+        )
+        try:
+            all_logits = self.model.forward(batch)
+        finally:
+            batch.logits_indices = sample_rows
+        for state, start, first, count in wanted:
+            self._prompt_logprobs[state.req_id].append(
+                prompt_logprob_chunk(
+                    all_logits[first : first + count],
+                    state.token_ids[start + 1 : start + 1 + count],
+                    num_logprobs(state.sampling_params.prompt_logprobs, all_logits.shape[1]) or 0,
+                )
+            )
+        return all_logits[: sample_rows.shape[0]]
+
+    def _take_prompt_logprobs(self, batch: FlatBatch) -> dict[str, list[TokenLogprobs]] | None:
+        """Prompt logprobs of the requests that sample their first token in this step."""
+        if not self._prompt_logprobs:
+            return None
+        taken: dict[str, list[TokenLogprobs]] = {}
+        for r in batch.sample_req_indices:
+            req_id = batch.req_ids[r]
+            state = self.requests.get(req_id)
+            if state is None or state.num_output_tokens != 0 or req_id not in self._prompt_logprobs:
+                continue
+            taken[req_id] = [
+                entry for chunk in self._prompt_logprobs.pop(req_id) for entry in chunk.to_host()
+            ]
+        return taken or None
 
     def _fill_sampled_inputs(
         self, batch: FlatBatch, states: list[RunnerRequestState], num_scheduled: list[int]
@@ -251,10 +320,16 @@ class ModelRunner:
         )
         if need_history or any(st.sampling_params.bad_words_token_ids for st in states):
             self.update_async_output_token_ids()
+        vocab = self.model.vocab_size
         asked = [
-            st.sampling_params.logprobs for st in states if st.sampling_params.logprobs is not None
+            num_logprobs(st.sampling_params.logprobs, vocab)
+            for st in states
+            if st.sampling_params.logprobs is not None
         ]
-        max_logprobs = max(asked) if asked else None
+        max_logprobs = max(asked) if asked else None  # type: ignore[type-var]
+        ib = self.input_batch
+        bias_rows: list[tuple[str, int, int]] = []  # (req id, first row, rows)
+        allowed_rows: list[tuple[str, int, int]] = []
         rows: list[int] = []
         positions: list[int] = []
         histories: list[list[int]] = []
@@ -268,6 +343,10 @@ class ModelRunner:
             # penalties and bad words see them (vLLM's update_async_spec_token_ids).
             drafts = batch.draft_token_ids[draft_end : draft_end + k]
             draft_end += k
+            if state.req_id in ib.logit_bias:
+                bias_rows.append((state.req_id, len(rows), k + 1))
+            if state.req_id in ib.allowed_token_ids:
+                allowed_rows.append((state.req_id, len(rows), k + 1))
             output = state.token_ids[state.num_prompt_tokens :]
             for j in range(k + 1):
                 for token in self._blocked_tokens(state, j, drafts[:j]):
@@ -280,7 +359,6 @@ class ModelRunner:
                     prompts.append(state.token_ids[: state.num_prompt_tokens])
         device = self.model.device
         index = torch.tensor(rows, dtype=torch.int64)
-        ib = self.input_batch
         temperature = ib.temperature[index]
 
         def on_device(t: torch.Tensor) -> torch.Tensor:
@@ -293,6 +371,9 @@ class ModelRunner:
             top_p=on_device(ib.top_p[index]),
             min_p=on_device(ib.min_p[index]),
             seeds=on_device(ib.seeds[index]),
+            seeded=on_device(ib.seeded[index]),
+            logit_bias=_sparse_rows(bias_rows, ib.logit_bias, device),
+            allowed_token_ids=_sparse_rows(allowed_rows, ib.allowed_token_ids, device),
             output_positions=torch.tensor(positions, dtype=torch.int64, device=device),
             num_draft_tokens=batch.num_draft_tokens,
             draft_token_ids=torch.tensor(batch.draft_token_ids, dtype=torch.int64, device=device),
@@ -337,6 +418,7 @@ class ModelRunner:
         self, grammar_bitmask: torch.Tensor | None = None
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         so, batch, logits, hidden = self._pending.pop(0)
+        prompt_logprobs = self._take_prompt_logprobs(batch)
         result: SamplerOutput | None = None
         if batch.sample_req_indices:
             if grammar_bitmask is not None:
@@ -349,11 +431,15 @@ class ModelRunner:
                     "no plugin answered the `sample` hook: the stack needs a sampler"
                 )
         num_top = [
-            self.requests[batch.req_ids[r]].sampling_params.logprobs
+            num_logprobs(
+                self.requests[batch.req_ids[r]].sampling_params.logprobs, self.model.vocab_size
+            )
             for r in batch.sample_req_indices
         ]
         if self.device_resident_outputs:
-            return self._keep_on_device(batch, result, num_top)
+            pending = self._keep_on_device(batch, result, num_top)
+            pending.prompt_logprobs = prompt_logprobs
+            return pending
         sampled_rows: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: list[list[dict[int, tuple[float, int]]] | None] | None = None
         if result is not None:
@@ -380,6 +466,7 @@ class ModelRunner:
             # Under async the scheduler keeps `-1` draft placeholders; the drafts stay here.
             draft_token_ids=None if self.async_scheduling else drafts,
             kept_draft_token_ids=drafts if self.async_scheduling else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _expand_grammar_bitmask(
@@ -500,3 +587,22 @@ class ModelRunner:
         }
         self.drafts.update(drafts)
         return drafts
+
+
+def _sparse_rows(
+    spans: list[tuple[str, int, int]],
+    per_request: dict[str, tuple[torch.Tensor, torch.Tensor]] | dict[str, torch.Tensor],
+    device: torch.device,
+) -> tuple[torch.Tensor, ...] | None:
+    """(rows, token ids[, values]) for per-request sparse parameters: each request's
+    tensors repeated over its `count` consecutive rows starting at `first`."""
+    if not spans:
+        return None
+    parts: list[list[torch.Tensor]] = []
+    for req_id, first, count in spans:
+        value = per_request[req_id]
+        tensors = value if isinstance(value, tuple) else (value,)
+        width = tensors[0].shape[0]
+        rows = torch.arange(first, first + count, dtype=torch.int64).repeat_interleave(width)
+        parts.append([rows, *(t.repeat(count) for t in tensors)])
+    return tuple(torch.cat(column).to(device) for column in zip(*parts, strict=True))

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
 
 from tandem import LLM
 from tandem.core.config import ConfigError, load_config
@@ -64,7 +63,7 @@ def gather(outputs: list[EngineCoreOutput]) -> dict[str, tuple[list[int], str | 
     ],
 )
 def test_bad_sampling_params_raise_naming_the_field(kwargs: dict[str, Any], field: str) -> None:
-    with pytest.raises(ValidationError) as info:
+    with pytest.raises(SamplingParamsError) as info:
         SamplingParams(**kwargs)
     assert isinstance(info.value, ValueError)
     assert field in str(info.value)

@@ -39,7 +39,7 @@ def test_json_string_is_parsed_and_cache_key_is_canonical() -> None:
     [
         ({"regex": "a", "choice": ["x"]}, "exactly one of json, regex, grammar, choice"),
         ({}, "(got none)"),
-        ({"json": "{not json"}, "structured_outputs.json: Value error, not a valid JSON"),
+        ({"json": "{not json"}, "structured_outputs.json: not a valid JSON"),
         ({"json": "[1, 2]"}, "a JSON schema must be an object"),
         ({"choice": []}, "structured_outputs.choice"),
         ({"regex": "a", "shape": 1}, "structured_outputs.shape"),

@@ -14,16 +14,27 @@ accepted the matcher is terminated and only `rollback` may be called.
 
 from __future__ import annotations
 
+import json
 import re
+import threading
+from collections import OrderedDict
 from typing import Any, ClassVar, Protocol
 
 import torch
 
 from tandem.core.request import RequestRejectedError
 from tandem.core.structured_outputs import StructuredOutputsParams
+from tandem.structured_output.json_schema import (
+    SUPPORT,
+    PreparedSchema,
+    SchemaRefused,
+    prepare_schema,
+)
 
 #: Backends the bundled plugin knows, by the name a request or config uses.
 BACKEND_NAMES = ("xgrammar", "outlines")
+#: `auto`: the first of these that enforces the request's whole constraint.
+AUTO_ORDER = ("xgrammar", "outlines")
 
 
 class Matcher(Protocol):
@@ -42,9 +53,12 @@ class GrammarBackend(Protocol):
     """One constrained-decoding library behind the bitmask contract."""
 
     name: ClassVar[str]
+    #: The library's name in messages ("outlines-core").
+    label: ClassVar[str]
 
     def check(self, spec: StructuredOutputsParams) -> None:
-        """Synchronous, cheap checks; raise `RequestRejectedError` naming the field."""
+        """Synchronous, cheap checks; raise `RequestRejectedError` naming the field (and,
+        for a JSON schema, the path of the keyword the backend cannot enforce)."""
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar (thread-safe; may be slow; raises on a bad spec)."""
@@ -99,3 +113,33 @@ def check_regex(pattern: str, field: str = "structured_outputs.regex") -> None:
         re.compile(pattern)
     except re.error as exc:
         raise RequestRejectedError(f"{field}: invalid regex {pattern!r}: {exc}") from None
+
+
+#: (backend, canonical schema text) -> the prepared schema or the refusal (LRU).
+_PREPARED: OrderedDict[tuple[str, str], PreparedSchema | SchemaRefused] = OrderedDict()
+_PREPARED_SIZE = 256
+_PREPARED_LOCK = threading.Lock()
+
+
+def prepared_json_schema(backend: str, schema: Any) -> PreparedSchema:
+    """The schema `backend` compiles for the request's `json` (see `json_schema`), cached
+    by (backend, schema); raises `RequestRejectedError` naming the keyword's JSON path
+    when the backend cannot enforce it. The result is shared: do not modify it.
+    Property order is the schema's own (it is the order the model writes them in)."""
+    key = (backend, json.dumps(schema))
+    with _PREPARED_LOCK:
+        result = _PREPARED.get(key)
+        if result is not None:
+            _PREPARED.move_to_end(key)
+    if result is None:
+        try:
+            result = prepare_schema(schema, SUPPORT[backend])
+        except SchemaRefused as exc:
+            result = exc
+        with _PREPARED_LOCK:
+            _PREPARED[key] = result
+            while len(_PREPARED) > _PREPARED_SIZE:
+                _PREPARED.popitem(last=False)
+    if isinstance(result, SchemaRefused):
+        raise RequestRejectedError(f"structured_outputs.json: {result}")
+    return result

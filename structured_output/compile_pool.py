@@ -1,4 +1,5 @@
-"""Grammar compilation off the hot path: a thread pool and a cache keyed by (backend, spec).
+"""Grammar compilation off the hot path: a thread pool and a cache keyed by (backend,
+constraint text: `compile_key`).
 
 `submit` returns a `Future` of the compiled grammar at once; a spec compiled (or being
 compiled) before shares its future, so a hundred requests with one schema compile it
@@ -11,6 +12,7 @@ keeps the process from exiting (a `ThreadPoolExecutor` joins its threads at exit
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from collections import OrderedDict
@@ -20,6 +22,13 @@ from typing import Any
 
 from tandem.core.structured_outputs import StructuredOutputsParams
 from tandem.structured_output.backend import GrammarBackend
+
+
+def compile_key(spec: StructuredOutputsParams) -> str:
+    """The constraint as text, in its own key order: a schema's `properties` order is the
+    order the grammar makes the model write them in, so (unlike `spec_key`) two schemas
+    that differ only in that order compile separately."""
+    return spec.kind + ":" + json.dumps(getattr(spec, spec.kind), separators=(",", ":"))
 
 
 class CompilePool:
@@ -34,7 +43,7 @@ class CompilePool:
         self.num_compiles = 0
 
     def submit(self, backend: GrammarBackend, spec: StructuredOutputsParams) -> Future[Any]:
-        key = (backend.name, spec.spec_key())
+        key = (backend.name, compile_key(spec))
         future = self._cache.get(key)
         if future is not None:
             self._cache.move_to_end(key)

@@ -7,9 +7,12 @@ bitmask, over the xgrammar or outlines-core backend.
 Life of a constrained request:
 
 1. `add_request`: the backend is chosen (the request's `structured_outputs.backend`, else
-   the plugin's `backend` option, else `config.structured_output.backend`; `auto` means
-   xgrammar). Cheap checks run now and raise `RequestRejectedError` naming the field (an
-   unknown backend, EBNF on outlines-core, an unsupported regex feature). The grammar is
+   the plugin's `backend` option, else `config.structured_output.backend`). Cheap checks
+   run now and raise `RequestRejectedError` naming the field (an unknown backend, EBNF on
+   outlines-core, an unsupported regex feature, a JSON-schema keyword the backend cannot
+   enforce, by its JSON path: `json_schema.prepare_schema`). `auto` takes the first
+   backend of `AUTO_ORDER` (xgrammar, then outlines-core) whose checks pass, per request,
+   and refuses only when none does (naming each backend's reason). The grammar is
    submitted to the compile pool (cached by (backend, spec)) and `request.grammar_ready`
    is set: the scheduler leaves the request in WAITING, without blocking others, until
    the grammar is compiled.
@@ -56,7 +59,9 @@ from tandem.core.outputs import PluginFinish
 from tandem.core.plugin_manager import PluginConfigError, TandemPlugin
 from tandem.core.request import Request, RequestRejectedError, RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.structured_outputs import StructuredOutputsParams
 from tandem.structured_output.backend import (
+    AUTO_ORDER,
     BACKEND_NAMES,
     GrammarBackend,
     Matcher,
@@ -108,8 +113,7 @@ class StructuredOutputManager(TandemPlugin):
             raise PluginConfigError(
                 "structured-output: needs a model with a tokenizer (the scripted model has none)"
             )
-        default = options.backend or config.structured_output.backend
-        self.default_backend = "xgrammar" if default == "auto" else default
+        self.default_backend = options.backend or config.structured_output.backend
         self.compile_timeout_s = options.compile_timeout_s
         self.vocab_size = int(config.model.vocab_size or 0)
         self.eos_token_id = config.model.eos_token_id
@@ -123,6 +127,11 @@ class StructuredOutputManager(TandemPlugin):
         self.num_bitmask_steps = 0
         self.num_deferred_steps = 0
         self.num_draft_rows = 0
+        #: Constrained requests preempted after their matcher had accepted output tokens
+        #: (resumed mid-grammar: the matcher keeps the confirmed prefix).
+        self.num_preempted_mid_grammar = 0
+        #: Requests per backend that `auto` chose (the others passed no check).
+        self.auto_choices: dict[str, int] = {}
         #: The last step processed scheduled nothing: the engine may be idle, waiting only
         #: for grammars to compile (then `poll_finished_requests` blocks briefly instead of
         #: letting the loop spin through empty steps).
@@ -168,14 +177,13 @@ class StructuredOutputManager(TandemPlugin):
                 f"takes json, regex, grammar, choice or json_object"
             )
         name = spec.backend or self.default_backend
-        if name not in BACKEND_NAMES:
+        if name != "auto" and name not in BACKEND_NAMES:
             raise RequestRejectedError(
                 f"request {rid}: structured_outputs.backend: unknown backend {name!r}; "
-                f"expected one of {', '.join(BACKEND_NAMES)}"
+                f"expected one of auto, {', '.join(BACKEND_NAMES)}"
             )
-        backend = self.backend(name)
         try:
-            backend.check(spec)
+            backend = self._choose(spec) if name == "auto" else self._checked(name, spec)
         except RequestRejectedError as exc:
             raise RequestRejectedError(f"request {rid}: {exc}") from None
         state = GrammarRequest(
@@ -187,6 +195,25 @@ class StructuredOutputManager(TandemPlugin):
         self._states[rid] = state
         self._compiling[rid] = state
         request.grammar_ready = state.is_ready
+
+    def _checked(self, name: str, spec: StructuredOutputsParams) -> GrammarBackend:
+        backend = self.backend(name)
+        backend.check(spec)
+        return backend
+
+    def _choose(self, spec: StructuredOutputsParams) -> GrammarBackend:
+        """`auto`: the first backend of `AUTO_ORDER` that enforces the whole constraint."""
+        refusals: list[tuple[GrammarBackend, str]] = []
+        for name in AUTO_ORDER:
+            backend = self.backend(name)
+            try:
+                backend.check(spec)
+            except RequestRejectedError as exc:
+                refusals.append((backend, str(exc)))
+                continue
+            self.auto_choices[name] = self.auto_choices.get(name, 0) + 1
+            return backend
+        raise RequestRejectedError(_combine_refusals(refusals))
 
     @hookimpl
     def abort_requests(self, request_ids: list[str], status: RequestStatus) -> None:
@@ -299,6 +326,10 @@ class StructuredOutputManager(TandemPlugin):
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> None:
         self._engine_idle = scheduler_output.total_num_scheduled_tokens == 0
+        for rid in scheduler_output.preempted_req_ids:
+            state = self._states.get(rid)
+            if state is not None and state.num_consumed > 0:
+                self.num_preempted_mid_grammar += 1
         kept = model_runner_output.kept_draft_token_ids
         if kept:
             for rid, drafts in kept.items():
@@ -325,3 +356,19 @@ class StructuredOutputManager(TandemPlugin):
                     del self._states[rid]
                     self._finished.append(PluginFinish(rid, "stop"))
         return None
+
+
+def _combine_refusals(refusals: list[tuple[GrammarBackend, str]]) -> str:
+    """One message for `auto` when every backend refused: `field: path: not enforced by
+    A or B` when they refused the same keyword, else each backend's reason."""
+    messages = [message for _, message in refusals]
+    suffixes = [f"not enforced by {backend.label}" for backend, _ in refusals]
+    heads = [m[: -len(s)] for m, s in zip(messages, suffixes, strict=True) if m.endswith(s)]
+    if len(heads) == len(messages) and len(set(heads)) == 1:
+        labels = " or ".join(backend.label for backend, _ in refusals)
+        return f"{heads[0]}not enforced by {labels}"
+    if len(set(messages)) == 1:
+        return messages[0]
+    return "no backend enforces it: " + "; ".join(
+        f"{backend.label}: {message}" for backend, message in refusals
+    )

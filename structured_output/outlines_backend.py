@@ -21,7 +21,7 @@ import torch
 
 from tandem.core.request import RequestRejectedError
 from tandem.core.structured_outputs import StructuredOutputsParams
-from tandem.structured_output.backend import check_regex, choice_regex
+from tandem.structured_output.backend import check_regex, choice_regex, prepared_json_schema
 
 #: Deepest rollback a guide supports: more than any number of drafts verified in one step.
 MAX_ROLLBACK = 32
@@ -124,6 +124,7 @@ class OutlinesBackend:
     """Compiles `Index`es over one offline `Vocabulary`."""
 
     name: ClassVar[str] = "outlines"
+    label: ClassVar[str] = "outlines-core"
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
         if eos_token_id is None:
@@ -139,15 +140,27 @@ class OutlinesBackend:
             )
         if spec.regex is not None:
             check_regex(spec.regex)
+        if spec.json is not None:
+            prepared_json_schema(self.name, spec.json)
 
     def regex(self, spec: StructuredOutputsParams) -> str:
         """The regular expression the request's output must match."""
         from outlines_core.json_schema import build_regex_from_schema
 
         kind = spec.kind
-        if kind == "json" or kind == "json_object":
-            schema = spec.json if kind == "json" else JSON_OBJECT_SCHEMA
-            return build_regex_from_schema(json.dumps(schema), whitespace_pattern="")
+        if kind == "json":
+            prepared = prepared_json_schema(self.name, spec.json)
+            regex = build_regex_from_schema(json.dumps(prepared.schema), whitespace_pattern="")
+            for placeholder, inner in prepared.regexes.items():
+                quoted = f'"{placeholder}"'
+                if quoted not in regex:
+                    raise ValueError(
+                        f"outlines-core did not render the bounds placeholder {quoted}"
+                    )
+                regex = regex.replace(quoted, f"(?:{inner})")
+            return regex
+        if kind == "json_object":
+            return build_regex_from_schema(json.dumps(JSON_OBJECT_SCHEMA), whitespace_pattern="")
         if kind == "regex":
             return spec.regex or ""
         if kind == "choice":

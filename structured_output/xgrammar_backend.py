@@ -14,8 +14,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from tandem.core.request import RequestRejectedError
 from tandem.core.structured_outputs import StructuredOutputsParams
-from tandem.structured_output.backend import check_regex, choice_regex
+from tandem.structured_output.backend import check_regex, choice_regex, prepared_json_schema
+from tandem.structured_output.pattern import uses_property_classes
 
 
 class XgrammarMatcher:
@@ -46,6 +48,7 @@ class XgrammarBackend:
     """Compiles with one `GrammarCompiler` (thread-safe) over the model's tokenizer."""
 
     name: ClassVar[str] = "xgrammar"
+    label: ClassVar[str] = "xgrammar"
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
         import xgrammar as xgr
@@ -62,11 +65,21 @@ class XgrammarBackend:
     def check(self, spec: StructuredOutputsParams) -> None:
         if spec.regex is not None:
             check_regex(spec.regex)
+            if uses_property_classes(spec.regex):
+                raise RequestRejectedError(
+                    "structured_outputs.regex: Unicode property classes (\\p{...}) are not "
+                    "supported by xgrammar; use backend 'outlines' or 'auto'"
+                )
+        if spec.json is not None:
+            prepared_json_schema(self.name, spec.json)
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         kind = spec.kind
         if kind == "json" or kind == "json_object":
-            schema = spec.json if kind == "json" else {"type": "object"}
+            if kind == "json":
+                schema = prepared_json_schema(self.name, spec.json).schema
+            else:
+                schema = {"type": "object"}
             return self.compiler.compile_json_schema(
                 json.dumps(schema), any_whitespace=False, separators=(",", ":")
             )

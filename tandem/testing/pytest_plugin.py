@@ -17,6 +17,16 @@ object of plugin options given to every NAME. `-k` selects items as usual, e.g.
 `-k "abort and sync"`. A failed item shows the `ConformanceError`: the check, the mode,
 the step, the rule, the request and its ledger.
 
+Grammar-backend conformance (see `tandem.testing.grammar_conformance`)::
+
+    python -m pytest -p tandem --tandem-grammar-conformance BACKEND \\
+        [--tandem-grammar-conformance-corpus ci|full]
+
+adds one item per (schema case, mode) for each grammar BACKEND (`xgrammar`, `outlines`,
+`auto`, or a grammar plugin's entry-point name), with ids like
+`tandem-grammar-conformance[outlines]::int-bounds[async]`; the corpus runs on the
+embedded SmolLM2 once per backend, at its first item.
+
 Fixtures:
 - `scripted_engine_factory`: build an `EngineCore` on the scripted model with invariant
   checks after every step (keywords override config fields).
@@ -48,6 +58,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="NAME",
         help="run the tandem conformance checks on the scheduler plugin NAME "
         "(entry point of tandem.plugins); repeatable",
+    )
+    group.addoption(
+        "--tandem-grammar-conformance",
+        action="append",
+        default=[],
+        metavar="BACKEND",
+        help="run the tandem grammar-backend conformance corpus on BACKEND (xgrammar, "
+        "outlines, auto, or a grammar plugin's entry-point name); repeatable",
+    )
+    group.addoption(
+        "--tandem-grammar-conformance-corpus",
+        default="ci",
+        choices=("ci", "full"),
+        help="the schema corpus of --tandem-grammar-conformance (default: ci)",
     )
     group.addoption(
         "--tandem-conformance-options",
@@ -128,11 +152,74 @@ class ConformanceSuite(pytest.Collector):
         ]
 
 
+class GrammarConformanceItem(pytest.Item):
+    """One schema case of the grammar conformance corpus in one mode."""
+
+    def __init__(self, *, backend: str, case: str, mode: str, corpus: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.backend = backend
+        self.case = case
+        self.mode = mode
+        self.corpus = corpus
+
+    def runtest(self) -> None:
+        from tandem.testing.grammar_conformance import check_grammar_case
+
+        check_grammar_case(self.backend, self.case, self.mode, self.corpus)  # type: ignore[arg-type]
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
+        from tandem.testing.grammar_conformance import GrammarConformanceError
+
+        if isinstance(excinfo.value, GrammarConformanceError):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo, style=style)
+
+    def reportinfo(self) -> tuple[Any, int | None, str]:
+        where = f"{self.backend} {self.case} [{self.mode}]"
+        return self.path, None, f"tandem grammar conformance: {where}"
+
+
+class GrammarConformanceSuite(pytest.Collector):
+    """The grammar conformance items of one backend (not collected from a file)."""
+
+    def __init__(self, *, backend: str, corpus: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.backend = backend
+        self.corpus = corpus
+
+    def collect(self) -> list[pytest.Item]:
+        from tandem.testing.grammar_conformance import CORPORA, MODES
+
+        return [
+            GrammarConformanceItem.from_parent(
+                self,
+                name=f"{case.name}[{mode}]",
+                backend=self.backend,
+                case=case.name,
+                mode=mode,
+                corpus=self.corpus,
+            )
+            for case in CORPORA[self.corpus]
+            for mode in MODES
+        ]
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
     """Append the conformance items (before `-k`/`-m` deselection runs)."""
+    corpus = config.getoption("tandem_grammar_conformance_corpus")
+    for backend in config.getoption("tandem_grammar_conformance"):
+        node = f"tandem-grammar-conformance[{backend}]"
+        grammar_suite = GrammarConformanceSuite.from_parent(
+            session, name=node, nodeid=node, backend=backend, corpus=corpus
+        )
+        collected = grammar_suite.collect()
+        session.ihook.pytest_collectreport(
+            report=pytest.CollectReport(node, "passed", None, collected)
+        )
+        items.extend(collected)
     names = config.getoption("tandem_conformance")
     if not names:
         return

@@ -172,7 +172,7 @@ def test_a_token_outside_the_grammar_fails_only_that_request(
 
 def test_compile_error_and_time_out_fail_their_request(smollm2_config: EngineConfig) -> None:
     manager = make_manager(smollm2_config)
-    broken = constrained("broken", json={"type": "nonsense"})
+    broken = constrained("broken", grammar="root ::= (")  # passes the checks, fails to compile
     manager.add_request(broken)
     deadline = time.monotonic() + 30
     finished: list = []
@@ -180,7 +180,7 @@ def test_compile_error_and_time_out_fail_their_request(smollm2_config: EngineCon
         finished = manager.poll_finished_requests() or []
         assert time.monotonic() < deadline
     assert finished[0].request_id == "broken" and finished[0].finish_reason == "error"
-    assert "structured_outputs.json" in finished[0].error and "xgrammar" in finished[0].error
+    assert "structured_outputs.grammar" in finished[0].error and "xgrammar" in finished[0].error
     assert not broken.grammar_ready()
 
     slow = make_manager(smollm2_config, compile_timeout_s=0.01, max_compile_workers=1)
@@ -203,6 +203,11 @@ def test_compile_error_and_time_out_fail_their_request(smollm2_config: EngineCon
         ({"grammar": 'root ::= "a"', "backend": "outlines"}, "use backend 'xgrammar'"),
         ({"regex": "(?!a)b"}, "unsupported regex feature"),
         ({"custom": {"modulus": 3}}, "structured_outputs.custom"),
+        ({"json": {"type": "nonsense"}}, "structured_outputs.json: [$].type: expected one of"),
+        (
+            {"json": {"type": "array", "uniqueItems": True}, "backend": "auto"},
+            "structured_outputs.json: [$].uniqueItems: not enforced by xgrammar or outlines-core",
+        ),
     ],
 )
 def test_synchronous_errors_name_the_field(

@@ -12,12 +12,17 @@ of plugins with their options:
         options: {}
 
 `LLM(**kw)` keywords override fields by their (unique) name, e.g. `max_num_seqs=64`.
-Every error names the file, the key path and what was expected.
+Every error names the file, the key path and what was expected. A key written twice in one
+mapping is an error (YAML alone would keep the last silently). String values may name
+environment variables, `${NAME}` or `${NAME:-fallback}`; `${TANDEM_CACHE}` always resolves
+(to `~/.cache/tandem` when unset), e.g. `speculative: {model: ${TANDEM_CACHE}/eagle/head}`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +36,12 @@ logger = logging.getLogger("tandem.config")
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the source, the key path and the fix."""
+
+
+def cache_root() -> Path:
+    """tandem's disk cache: `$TANDEM_CACHE`, default `~/.cache/tandem` (converted models,
+    compiled kernels, trained draft heads). A stack file can name it as `${TANDEM_CACHE}`."""
+    return Path(os.environ.get("TANDEM_CACHE") or Path.home() / ".cache" / "tandem")
 
 
 class _Section(BaseModel):
@@ -218,6 +229,69 @@ def yaml_key_lines(text: str) -> dict[tuple[str | int, ...], int]:
     return lines
 
 
+class DuplicateKeyError(yaml.MarkedYAMLError):
+    """A mapping key written twice (`line` and `first_line` are 1-based)."""
+
+    def __init__(self, key: Any, line: int, first_line: int) -> None:
+        super().__init__(problem=f"duplicate key {key!r}")
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+class _StackLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key written twice in one mapping."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` merges are allowed to repeat keys
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # an unhashable key: the base class reports it
+            line = key_node.start_mark.line + 1
+            if first is not None:
+                raise DuplicateKeyError(key, line, first)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+#: `${NAME}` or `${NAME:-fallback}` in a string value of a stack file.
+_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(
+    value: Any, source: str, lines: dict[tuple[str | int, ...], int], path: tuple = ()
+) -> Any:
+    """`value` with `${NAME}` / `${NAME:-fallback}` replaced in every string, recursively.
+    `${TANDEM_CACHE}` falls back to tandem's cache root; any other unset variable without a
+    fallback is a `ConfigError` naming the line, the key path and the variable."""
+    if isinstance(value, dict):
+        return {k: expand_env(v, source, lines, (*path, str(k))) for k, v in value.items()}
+    if isinstance(value, list):
+        return [expand_env(v, source, lines, (*path, i)) for i, v in enumerate(value)]
+    if not isinstance(value, str) or "${" not in value:
+        return value
+
+    def substitute(match: re.Match[str]) -> str:
+        name, fallback = match.group(1), match.group(2)
+        found = os.environ.get(name)
+        if found:
+            return found
+        if fallback is not None:
+            return fallback
+        if name == "TANDEM_CACHE":
+            return str(cache_root())
+        key = ".".join(str(p) for p in path) or "<root>"
+        raise ConfigError(
+            f"{with_line(source, lines, path)}: {key}: environment variable {name} is not set "
+            f"(write ${{{name}:-fallback}} to give a default)"
+        )
+
+    return _ENV_REFERENCE.sub(substitute, value)
+
+
 def with_line(
     source: str, lines: dict[tuple[str | int, ...], int], path: tuple[str | int, ...]
 ) -> str:
@@ -248,10 +322,16 @@ def load_config(path: str | Path | EngineConfig | None = None, **overrides: Any)
         except OSError as exc:
             raise ConfigError(f"{source}: cannot read stack file ({exc.strerror})") from exc
         try:
-            loaded = yaml.safe_load(text)
+            loaded = yaml.load(text, Loader=_StackLoader)  # safe_load, refusing duplicate keys
+        except DuplicateKeyError as exc:
+            raise ConfigError(
+                f"{source}:{exc.line}: duplicate key {exc.key!r} (first written on line "
+                f"{exc.first_line}); YAML would silently keep only the last one"
+            ) from exc
         except yaml.YAMLError as exc:
             raise ConfigError(f"{source}: invalid YAML: {exc}") from exc
         lines = yaml_key_lines(text)
+        loaded = expand_env(loaded, source, lines)
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

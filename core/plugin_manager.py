@@ -80,14 +80,24 @@ def discover_plugins() -> dict[str, PluginInfo]:
 
 
 def load_plugin_class(name: str, where: str = "plugins") -> type:
-    """Import the plugin class behind entry point `name`; errors name the plugin and cause."""
+    """Import the plugin class behind entry point `name`; errors name the plugin and cause.
+
+    Anything a plugin raises while importing, `SystemExit` included (a plugin module that
+    calls `sys.exit`), becomes a `PluginConfigError`: one broken plugin must not end the
+    process that merely looked at it. Only `KeyboardInterrupt` passes through."""
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP, name=name):
         try:
             return ep.load()
-        except Exception as exc:  # an import error in a plugin is reported, never swallowed
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # reported, never swallowed, never fatal
+            cause = (
+                f"called sys.exit({exc.code!r}) while importing"
+                if isinstance(exc, SystemExit)
+                else f"{type(exc).__name__}: {exc}"
+            )
             raise PluginConfigError(
-                f"{where}: plugin {name!r} ({ep.value}) failed to import: "
-                f"{type(exc).__name__}: {exc}"
+                f"{where}: plugin {name!r} ({ep.value}) failed to import: {cause}"
             ) from exc
     available = ", ".join(sorted(discover_plugins())) or "none"
     raise PluginConfigError(

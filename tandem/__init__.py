@@ -5,10 +5,41 @@ llm = LLM(model="scripted")
 out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8))
 """
 
-from tandem.core.config import EngineConfig, load_config
-from tandem.core.outputs import CompletionOutput, RequestOutput
-from tandem.core.sampling_params import SamplingParams
-from tandem.llm import LLM
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.core.config import EngineConfig, load_config
+    from tandem.core.outputs import CompletionOutput, RequestOutput
+    from tandem.core.sampling_params import SamplingParams
+    from tandem.llm import LLM
+
+#: Public name -> defining module. Imported on first use (PEP 562), so `import tandem` and
+#: the CLI's parser stay light: torch and transformers load when a model does.
+_LAZY = {
+    "LLM": "tandem.llm",
+    "CompletionOutput": "tandem.core.outputs",
+    "EngineConfig": "tandem.core.config",
+    "RequestOutput": "tandem.core.outputs",
+    "SamplingParams": "tandem.core.sampling_params",
+    "load_config": "tandem.core.config",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tandem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "LLM",

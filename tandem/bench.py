@@ -4,7 +4,10 @@ Each engine runs in its own process (`python -m tandem.bench --run-peer NAME`), 
 process sets its own thread count and no peer warms another's caches. The parent records
 the load average and writes one JSON file with every peer's figures and the ratios.
 Workload files are JSON: `{"name", "requests": [{"prompt_token_ids": [...], "max_tokens": n}]}`
-(greedy, ignore_eos).
+(greedy, ignore_eos). `--workload` also takes a built-in name (`default`, `latency`,
+`small`): the same token ids as `benchmarks/workloads/<name>.json`, generated, so an
+installed package needs no checkout. Results go to `--out`, by default
+`tandem-bench-<workload>.json` in the current directory (the path is printed).
 """
 
 from __future__ import annotations
@@ -15,11 +18,19 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+#: Built-in workloads: name -> make_workload arguments (requests, prompt lengths, max_tokens,
+#: seed); identical to the checkout's benchmarks/workloads/<name>.json.
+BUILTIN_WORKLOADS: dict[str, tuple[int, tuple[int, int], int, int]] = {
+    "default": (64, (16, 512), 128, 0),
+    "latency": (1, (128, 128), 128, 1),
+    "small": (16, (16, 128), 32, 2),
+}
 VLLM_PYTHON = ROOT / "benchmarks" / "peers" / ".venv-vllm" / "bin" / "python"
 VLLM_RUNNER = ROOT / "benchmarks" / "peers" / "vllm_runner.py"
 
@@ -41,6 +52,19 @@ def make_workload(
             }
         )
     return {"name": name, "requests": requests}
+
+
+def load_workload(spec: str) -> dict[str, Any]:
+    """A workload from a JSON file, or the built-in one of that name."""
+    path = Path(spec)
+    if path.exists():
+        return json.loads(path.read_text())
+    if spec in BUILTIN_WORKLOADS:
+        return make_workload(spec, *BUILTIN_WORKLOADS[spec])
+    raise ValueError(
+        f"--workload: {spec!r} is neither a file nor a built-in workload "
+        f"({', '.join(sorted(BUILTIN_WORKLOADS))})"
+    )
 
 
 def _median(values: list[float]) -> float | None:
@@ -168,7 +192,7 @@ def run_hf(
 def run_peer(
     name: str, workload_path: str, model: str, threads: int, overrides: dict[str, Any]
 ) -> dict[str, Any]:
-    workload = json.loads(Path(workload_path).read_text())
+    workload = load_workload(workload_path)
     runner = {"tandem": run_tandem, "hf": run_hf}[name]
     result = runner(workload, model, threads, overrides)
     result["threads"] = threads
@@ -187,7 +211,9 @@ def _spawn(cmd: list[str], env_extra: dict[str, str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem bench", description=__doc__)
     parser.add_argument(
-        "--workload", default=str(ROOT / "benchmarks" / "workloads" / "default.json")
+        "--workload",
+        default="default",
+        help=f"JSON file or built-in name ({', '.join(BUILTIN_WORKLOADS)}); default: default",
     )
     parser.add_argument("--model", default="default")
     parser.add_argument("--peers", default="tandem,hf", help="comma list of tandem, hf, vllm")
@@ -196,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repeats", type=int, default=1, help="runs per peer (medians reported)")
     parser.add_argument(
-        "--out", help="JSON file to write (default: benchmarks/results/<workload>.json)"
+        "--out",
+        help="JSON file to write (default: tandem-bench-<workload>.json in the current directory)",
     )
     parser.add_argument(
         "--set",
@@ -212,7 +239,12 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(run_peer(args.run_peer, args.workload, args.model, args.threads, overrides))
         )
         return 0
-    workload = json.loads(Path(args.workload).read_text())
+    workload = load_workload(args.workload)
+    workload_file = args.workload
+    if not Path(workload_file).exists():  # a built-in: the peers' processes read a file
+        fd, workload_file = tempfile.mkstemp(prefix=f"tandem-{workload['name']}-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(workload, f)
     results: dict[str, Any] = {
         "workload": workload["name"],
         "num_requests": len(workload["requests"]),
@@ -224,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             threads_env = {"OMP_NUM_THREADS": str(args.threads)}
             common = [
                 "--workload",
-                args.workload,
+                workload_file,
                 "--model",
                 args.model,
                 "--threads",
@@ -261,11 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     results["load_average_before"] = load_before
     results["load_average_after"] = os.getloadavg()
     results["threads_per_process"] = args.threads
-    out = (
-        Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"{workload['name']}.json"
-    )
+    if workload_file != args.workload:
+        Path(workload_file).unlink(missing_ok=True)
+    out = Path(args.out) if args.out else Path(f"tandem-bench-{workload['name']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
+    print(f"tandem bench: wrote {out.resolve()}", file=sys.stderr)
     print(
         json.dumps(
             {k: v for k, v in results.items() if k != "peers"}

@@ -4,6 +4,9 @@ tandem plugins list                 installed plugins: name, distribution, versi
 tandem plugins show NAME            one plugin's docs and option defaults
 tandem config show [STACK.yaml]     the resolved stack: order, who answers each hook, options
 tandem generate PROMPT...           generate (token ids with --token-ids on the scripted model)
+
+The parser imports nothing heavy: each command imports what it needs when it runs, so
+`tandem --help` answers at once (torch and transformers load only for a model).
 """
 
 from __future__ import annotations
@@ -13,20 +16,10 @@ import json
 import sys
 from typing import Any
 
-from tandem.core.config import ConfigError, load_config
-from tandem.core.hookspecs import EngineHookSpecs, WorkerHookSpecs
-from tandem.core.plugin_manager import (
-    discover_plugins,
-    implemented_hooks,
-    load_plugin_class,
-    resolve_stack,
-    stack_entry_location,
-    validate_options,
-)
-from tandem.core.resolve import resolve_config
-
 
 def _firstresult_hooks() -> set[str]:
+    from tandem.core.hookspecs import EngineHookSpecs, WorkerHookSpecs
+
     names = set()
     for specs in (EngineHookSpecs, WorkerHookSpecs):
         for name, fn in vars(specs).items():
@@ -37,6 +30,11 @@ def _firstresult_hooks() -> set[str]:
 
 
 def cmd_plugins_list(args: argparse.Namespace) -> int:
+    """Every installed plugin; one that fails to import (even by calling `sys.exit`) is
+    listed as broken, with its error, and the others are still listed."""
+    from tandem.core.plugin_manager import discover_plugins, implemented_hooks, load_plugin_class
+
+    broken = []
     for name, info in sorted(discover_plugins().items()):
         try:
             cls = load_plugin_class(name)
@@ -45,15 +43,20 @@ def cmd_plugins_list(args: argparse.Namespace) -> int:
             schema = (
                 json.dumps(options.model_json_schema().get("properties", {})) if options else "{}"
             )
-        except ConfigError as exc:
+        except Exception as exc:  # import errors arrive as ConfigError; a bad Options model too
             hooks, schema = f"ERROR: {exc}", "-"
+            broken.append(name)
         print(f"{name}  ({info.distribution} {info.version})  [{info.value}]")
         print(f"    hooks:   {hooks}")
         print(f"    options: {schema}")
+    if broken:
+        print(f"tandem: broken plugin(s), not usable: {', '.join(broken)}", file=sys.stderr)
     return 0
 
 
 def cmd_plugins_show(args: argparse.Namespace) -> int:
+    from tandem.core.plugin_manager import implemented_hooks, load_plugin_class
+
     cls = load_plugin_class(args.name)
     print(f"{args.name}: {cls.__module__}.{cls.__qualname__}")
     print((sys.modules[cls.__module__].__doc__ or "").strip())
@@ -68,6 +71,15 @@ def cmd_plugins_show(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
+    from tandem.core.config import load_config
+    from tandem.core.plugin_manager import (
+        implemented_hooks,
+        resolve_stack,
+        stack_entry_location,
+        validate_options,
+    )
+    from tandem.core.resolve import resolve_config
+
     config = resolve_config(load_config(args.stack, **_overrides(args)))
     source = args.stack or "<defaults>"
     resolved = resolve_stack(config, source)
@@ -250,23 +262,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from tandem.bench import ROOT
     from tandem.bench import main as bench_main
 
     rest = list(args.rest)
     if not any(a.startswith("--workload") for a in rest):
-        name = "default" if args.kind == "throughput" else "latency"
-        rest = ["--workload", str(ROOT / "benchmarks" / "workloads" / f"{name}.json"), *rest]
+        rest = ["--workload", "default" if args.kind == "throughput" else "latency", *rest]
     return bench_main(rest)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["trace"] and argv[1:2] not in (["-h"], ["--help"]):
+    if argv[:1] == ["trace"]:  # its own parser, `--help` included
         from tandem.trace import main as trace_main
 
         return trace_main(argv[1:])
     args = build_parser().parse_args(argv)
+    from tandem.core.config import ConfigError
+
     try:
         return args.fn(args)
     except (ConfigError, ValueError) as exc:

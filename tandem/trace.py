@@ -3,7 +3,9 @@
 Writes `<out>.json` (Chrome trace events: process 0 = sync, process 1 = async, lanes
 "engine" and "device"), `<out>.png` (the two timelines one above the other, like the two
 diagrams of the async-scheduling document) and `<out>.stats.json` (device-busy fraction of
-wall time and the engine's CPU time per step, for each loop).
+wall time and the engine's CPU time per step, for each loop). `<out>` defaults to
+`tandem-trace` in the current directory; the paths written are printed. Drawing needs
+matplotlib (`pip install 'tandem[trace]'`); `--no-png` writes the JSON files only.
 """
 
 from __future__ import annotations
@@ -11,13 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tandem.core.request import Request
-from tandem.core.sampling_params import SamplingParams
-from tandem.core.step_trace import Span, StepTracer
+if TYPE_CHECKING:
+    from tandem.core.step_trace import StepTracer
+
+MATPLOTLIB_HINT = (
+    "tandem trace: drawing the timeline needs matplotlib: pip install 'tandem[trace]' "
+    "(or pip install matplotlib); --no-png writes the JSON files only"
+)
 
 
 def record(
@@ -29,6 +36,9 @@ def record(
 ) -> tuple[StepTracer, dict[str, Any]]:
     """Run `requests` scripted requests on the simulated device with engine tracing on;
     return the tracer (engine and device spans) and the run's figures."""
+    from tandem.core.request import Request
+    from tandem.core.sampling_params import SamplingParams
+    from tandem.core.step_trace import Span, StepTracer
     from tandem.testing import make_scripted_engine
 
     max_len = prompt + output + 16
@@ -118,7 +128,12 @@ def draw(tracers: list[tuple[str, StepTracer]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem trace", description=__doc__)
-    parser.add_argument("--out", default="docs/timeline", help="output path without extension")
+    parser.add_argument(
+        "--out",
+        default="tandem-trace",
+        help="output path without extension (default: tandem-trace in the current directory)",
+    )
+    parser.add_argument("--no-png", action="store_true", help="skip the PNG (no matplotlib)")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--output", type=int, default=40)
@@ -126,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         "--window-ms", type=float, default=0.0, help="draw only the first N ms (0 = all)"
     )
     args = parser.parse_args(argv)
+    if not args.no_png:
+        try:
+            import matplotlib  # noqa: F401 - checked before the runs, not after
+        except ImportError:
+            print(MATPLOTLIB_HINT, file=sys.stderr)
+            return 2
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     runs = [record(mode, args.requests, args.prompt, args.output) for mode in (False, True)]
@@ -144,10 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         f"engine CPU {st['engine_cpu_ms_per_step']:.2f} ms/step"
         for _, st in runs
     ]
-    draw([(t, tr) for t, (tr, _) in zip(titles, runs, strict=True)], out.with_suffix(".png"))
+    written = [out.with_suffix(".json"), out.with_suffix(".stats.json")]
+    if not args.no_png:
+        draw([(t, tr) for t, (tr, _) in zip(titles, runs, strict=True)], out.with_suffix(".png"))
+        written.append(out.with_suffix(".png"))
     stats = {"sync": runs[0][1], "async": runs[1][1], "workload": vars(args)}
     out.with_suffix(".stats.json").write_text(json.dumps(stats, indent=2))
     print(json.dumps(stats, indent=2))
+    print(f"tandem trace: wrote {', '.join(str(p.resolve()) for p in written)}", file=sys.stderr)
     return 0
 
 

@@ -1,18 +1,24 @@
-"""The distribution builds as a wheel laid out as DESIGN.md section 2 says, and imports."""
+"""The distribution builds as a wheel laid out as DESIGN.md section 2 says, without
+setuptools warnings, and imports."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+#: What setuptools prints for deprecated or ambiguous packaging metadata.
+BUILD_WARNING = re.compile(
+    r"SetuptoolsDeprecationWarning|BuildBackendWarning|is deprecated|would be ignored", re.I
+)
 
 
 def test_wheel_maps_design_folders_to_subpackages_and_imports(tmp_path: Path) -> None:
     wheel_dir = tmp_path / "wheel"
-    subprocess.run(
+    build = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -20,14 +26,20 @@ def test_wheel_maps_design_folders_to_subpackages_and_imports(tmp_path: Path) ->
             "wheel",
             "--no-deps",
             "--no-build-isolation",
-            "-q",
             "-w",
             str(wheel_dir),
             str(ROOT),
         ],
         check=True,
         capture_output=True,
+        text=True,
     )
+    warnings = [
+        line.strip()
+        for line in (build.stdout + build.stderr).splitlines()
+        if BUILD_WARNING.search(line)
+    ]
+    assert not warnings, warnings
     (wheel,) = wheel_dir.glob("tandem-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for expected in (
@@ -40,6 +52,10 @@ def test_wheel_maps_design_folders_to_subpackages_and_imports(tmp_path: Path) ->
         "tandem/testing/pytest_plugin.py",
     ):
         assert expected in names, expected
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA")))
+    assert "License-Expression: Apache-2.0" in metadata.decode()
+    assert any(n.endswith("licenses/LICENSE") for n in names)
+    assert 'matplotlib>=3.5; extra == "trace"' in metadata.decode()  # `tandem trace` draws
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[tandem.plugins]" in text and "reference-scheduler" in text

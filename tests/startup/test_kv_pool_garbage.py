@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.core.worker.cpu_kernels import paged_decode_kernel
 
 PREFIX = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]  # 3 full blocks of 4, + 1
 PROMPTS = [PREFIX + list(range(40, 40 + k)) for k in (1, 3, 6, 9, 14, 22)]
@@ -53,6 +54,11 @@ def _run(model: str, fill: float, **overrides: Any) -> list[list[int]]:
         **overrides,
     )
     try:
+        model = llm.engine.executor.worker.model
+        if overrides.get("attention") == "auto" and paged_decode_kernel() is not None:
+            assert model.decode_kernel is not None, "the compiled decode kernel must run"
+        if overrides.get("attention") == "torch":
+            assert model.decode_kernel is None
         _fill_pool(llm, fill)
         first = llm.generate(PROMPTS, PARAMS)
         hits_before = _scheduler(llm).kv_cache_manager.prefix_cache_hits

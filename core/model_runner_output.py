@@ -48,6 +48,9 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs] | None] | None = None
     draft_token_ids: dict[str, list[int]] | None = None
     kept_draft_token_ids: dict[str, list[int]] | None = None
+    #: Requests whose sampling failed this step, with the reason: the kernel ends each with
+    #: `finish_reason == "error"` before `update_from_output` (their tokens are dummies).
+    failed: dict[str, str] = field(default_factory=dict)
     #: Per request sampling its first token this step with `prompt_logprobs` set: one
     #: entry per prompt token after the first (vLLM's prompt logprobs without the leading
     #: None), computed over all its prefill chunks.
@@ -136,6 +139,7 @@ class AsyncModelRunnerOutput:
     sampled_token_ids: torch.Tensor  # host [num_sampling_requests, 1], possibly in flight
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     copy_done: torch.cuda.Event | None = None
+    failed: dict[str, str] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
 
     def get_output(self) -> ModelRunnerOutput:
@@ -161,6 +165,7 @@ class AsyncModelRunnerOutput:
             req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
             sampled_token_ids=sampled_rows,
             logprobs=logprobs,
+            failed=self.failed,
             prompt_logprobs=self.prompt_logprobs,
         )
 

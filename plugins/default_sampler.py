@@ -161,7 +161,10 @@ class DefaultSampler(TandemPlugin):
 
     @hookimpl(trylast=True)
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        logits = logits.to(torch.float32)
+        # Bias and penalties add to the logits: work on a copy so that the caller's logits
+        # stay valid for re-sampling after a failure (masking in place is idempotent).
+        additive = metadata.logit_bias is not None or metadata.output_token_ids is not None
+        logits = logits.to(torch.float32, copy=additive)
         raw_logprobs = logits.log_softmax(dim=1) if metadata.max_num_logprobs is not None else None
         if metadata.logit_bias is not None or metadata.allowed_token_ids is not None:
             apply_logit_bias_and_allowed(logits, metadata)

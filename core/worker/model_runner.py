@@ -29,6 +29,7 @@ from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.draft_context import DraftContext
 from tandem.core.worker.flat_batch import FlatBatch, build_flat_batch
 from tandem.core.worker.input_batch import InputBatch
+from tandem.core.worker.sample_isolation import sample_isolating_failures
 from tandem.core.worker.sampling_metadata import SamplingMetadata
 
 
@@ -420,24 +421,22 @@ class ModelRunner:
         so, batch, logits, hidden = self._pending.pop(0)
         prompt_logprobs = self._take_prompt_logprobs(batch)
         result: SamplerOutput | None = None
+        failures: dict[int, str] = {}
         if batch.sample_req_indices:
             if grammar_bitmask is not None:
                 grammar_bitmask = self._expand_grammar_bitmask(so, batch, grammar_bitmask)
-            metadata = self._sampling_metadata(batch, grammar_bitmask)
-            with torch.inference_mode():  # logits may be inference tensors; samplers write in place
-                result = self.hooks.sample(logits=logits, metadata=metadata)
-            if result is None:
-                raise RuntimeError(
-                    "no plugin answered the `sample` hook: the stack needs a sampler"
-                )
+            result, failures = self._sample(batch, logits, grammar_bitmask)
         num_top = [
-            num_logprobs(
+            None
+            if r in failures
+            else num_logprobs(
                 self.requests[batch.req_ids[r]].sampling_params.logprobs, self.model.vocab_size
             )
             for r in batch.sample_req_indices
         ]
+        failed = {batch.req_ids[r]: message for r, message in failures.items()}
         if self.device_resident_outputs:
-            pending = self._keep_on_device(batch, result, num_top)
+            pending = self._keep_on_device(batch, result, num_top, failed)
             pending.prompt_logprobs = prompt_logprobs
             return pending
         sampled_rows: list[list[int]] = [[] for _ in batch.req_ids]
@@ -466,8 +465,29 @@ class ModelRunner:
             # Under async the scheduler keeps `-1` draft placeholders; the drafts stay here.
             draft_token_ids=None if self.async_scheduling else drafts,
             kept_draft_token_ids=drafts if self.async_scheduling else None,
+            failed=failed,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _sample(
+        self, batch: FlatBatch, logits: torch.Tensor, grammar_bitmask: torch.Tensor | None
+    ) -> tuple[SamplerOutput, dict[int, str]]:
+        """Run the `sample` hook over the batch; when it raises, find the requests that
+        fail alone and sample the others (`sample_isolating_failures`)."""
+
+        def sample(rows: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput | None:
+            with torch.inference_mode():  # logits may be inference tensors; samplers write in place
+                return self.hooks.sample(logits=rows, metadata=metadata)
+
+        try:
+            result = sample(logits, self._sampling_metadata(batch, grammar_bitmask))
+        except Exception as exc:
+            return sample_isolating_failures(
+                sample, self._sampling_metadata, batch, logits, grammar_bitmask, exc
+            )
+        if result is None:
+            raise RuntimeError("no plugin answered the `sample` hook: the stack needs a sampler")
+        return result, {}
 
     def _expand_grammar_bitmask(
         self, so: SchedulerOutput, batch: FlatBatch, bitmask: torch.Tensor
@@ -502,7 +522,11 @@ class ModelRunner:
         return full.to(self.model.device)
 
     def _keep_on_device(
-        self, batch: FlatBatch, result: SamplerOutput | None, num_top: list[int | None]
+        self,
+        batch: FlatBatch,
+        result: SamplerOutput | None,
+        num_top: list[int | None],
+        failed: dict[str, str],
     ) -> AsyncModelRunnerOutput:
         """Async path: start the host copy, append `-1` placeholders, keep the ids on the
         device for the next step's inputs."""
@@ -540,6 +564,7 @@ class ModelRunner:
             sampled_token_ids=host,
             logprobs=logprobs,
             copy_done=copy_done,
+            failed=failed,
         )
 
     def _propose_drafts(

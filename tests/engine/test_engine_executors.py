@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.core.worker_executors import ProcessExecutor, ThreadExecutor, WorkerProcessError
+from tandem.core.worker_executors import ThreadExecutor
 from tandem.testing import (
     collect_outputs,
     expected_scripted_output,
@@ -50,18 +50,3 @@ def test_executor_classes_are_registered_by_name() -> None:
         assert isinstance(engine.executor, ThreadExecutor)
     finally:
         engine.shutdown()
-
-
-def test_worker_process_error_reaches_the_engine_with_its_traceback() -> None:
-    engine = make_scripted_engine(
-        parallel={"executor": "process"},
-        plugins=["reference-scheduler"],  # no sampler
-    )
-    try:
-        assert isinstance(engine.executor, ProcessExecutor)
-        engine.add_request(make_request("r", [3, 4, 5], max_tokens=2))
-        with pytest.raises(WorkerProcessError, match="(?s)sample.*hook"):
-            engine.step()
-    finally:
-        engine.shutdown()
-    assert not engine.executor.process.is_alive()

@@ -303,7 +303,8 @@ def test_bad_plugin_options_name_the_option(tmp_path: Path) -> None:
     path = write(
         tmp_path,
         "model: {model: scripted, max_model_len: 64}\n"
-        "plugins:\n  - name: reference-scheduler\n    options: {max_num_seqs: 3}\n",
+        "plugins:\n  - name: reference-scheduler\n    options: {max_num_seqs: 3}\n"
+        "  - default-sampler\n",
         "opts.yaml",
     )
     with pytest.raises(ConfigError) as info:

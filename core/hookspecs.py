@@ -108,14 +108,33 @@ class EngineHookSpecs:
         Caller: the kernel, before it asks the worker to sample that step; one step later
         when `pending_structured_output_tokens` is set (then the previous step's tokens are
         already applied). First result wins. Returns int32 `[num_rows, ceil(vocab/32)]`
-        (bit `t % 32` of word `t // 32` set when token t is allowed) with `1 + drafts`
-        rows for each request of `scheduler_output.structured_output_request_ids`, in that
-        order (a request whose chunk does not sample still has its rows; they are
-        ignored); a backend fills draft rows by accepting drafts and must roll its matcher
-        back after. Under async scheduling the scheduled drafts are `-1` placeholders; the
-        drafts the worker verifies are the ones it reported in the previous output's
-        `kept_draft_token_ids` (padded with token 0). The runner places the rows at the
-        batch's sampled rows; unconstrained rows allow every token.
+        (bit `t % 32` of word `t // 32` set when token t is allowed). The runner places the
+        rows at the batch's sampled rows; unconstrained rows allow every token.
+
+        Rows: exactly `1 + len(scheduled_spec_decode_tokens.get(rid, ()))` for each `rid`
+        of `scheduler_output.structured_output_request_ids`, in that order, always: the
+        runner lays the rows out from the same list and rejects any other count. A request
+        whose chunk does not sample still has its rows (they are ignored). Row j constrains
+        the token after the request's confirmed tokens followed by its first j drafts: a
+        backend fills draft rows by accepting drafts and must roll its matcher back after.
+
+        Requests that left: the list is the step's as it was scheduled. When sampling was
+        deferred, a request of it may have finished (the previous step's results stopped
+        it) or been ended through `abort_requests` (a client abort or a plugin's finish,
+        drained before that update) before this call: it is gone from the scheduler's
+        registry and every plugin has already been told. Its rows must still be returned
+        (all ones is right: its sampled tokens are discarded), and a backend must not look
+        it up in state it dropped when the request left. The kernel does not filter the
+        list (the worker's copy of the step could not follow).
+
+        Drafts: under synchronous scheduling the scheduled drafts are the ones the worker
+        verifies. Under async scheduling they are `-1` placeholders, and the worker
+        verifies the drafts it last reported for that request in
+        `ModelRunnerOutput.kept_draft_token_ids` (every plugin sees it in
+        `update_from_output`), cut to the scheduled count and padded with token 0 as the
+        worker pads them. A backend keeps that mirror itself (`tandem.testing.fake_grammar`
+        is the worked example); the kernel keeps it current: this hook runs for a step only
+        after the step whose proposals it verifies has been through `update_from_output`.
         """
 
     @hookspec

@@ -7,6 +7,21 @@ until the previous step's tokens are applied (`pending_structured_output_tokens`
 test of that two-phase path. `steps` records, per bitmask computed, whether the step was
 deferred.
 
+It is also the worked example of the `grammar_bitmask` contract (copy it):
+
+- Rows: `1 + len(scheduled_spec_decode_tokens[rid])` per request of
+  `structured_output_request_ids`, in that order, always, so they line up with the rows the
+  runner expects.
+- Drafts: under async scheduling the scheduled drafts are `-1` placeholders. The drafts the
+  worker verifies are the ones it reported for that request in the latest
+  `ModelRunnerOutput.kept_draft_token_ids`, cut to the scheduled count and padded with
+  token 0 (as the worker pads). This plugin keeps that mirror in `update_from_output` and
+  drops it when the request leaves the engine.
+- Requests that left: a request of the list may have finished or been aborted since the
+  step was scheduled (its sampling was deferred and the previous step's results, or an
+  abort, ended it). Its rows still come, all-ones (its tokens are discarded); it must not
+  be looked up in state dropped when it left.
+
     plugins: [{name: reference-scheduler}, {name: default-sampler}, {name: fake-grammar}]
 """
 
@@ -16,13 +31,25 @@ import torch
 
 from tandem.core import hookimpl
 from tandem.core.config import EngineConfig
+from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.plugin_manager import PluginConfigError, TandemPlugin, TandemPluginManager
+from tandem.core.request import RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput
 
 
 def fake_grammar_allows(previous_token: int, modulus: int, vocab_size: int) -> list[int]:
     """The tokens the fake grammar allows after `previous_token`."""
     return [t for t in range(vocab_size) if (t + previous_token) % modulus == 0]
+
+
+def verified_drafts(scheduled: list[int], kept: list[int]) -> list[int]:
+    """The drafts the worker verifies for one request: the scheduled ones, or, where the
+    scheduler holds `-1` placeholders (async), the worker's `kept` drafts cut to the
+    scheduled count and padded with token 0."""
+    if not scheduled or scheduled[0] >= 0:
+        return list(scheduled)
+    drafts = kept[: len(scheduled)]
+    return drafts + [0] * (len(scheduled) - len(drafts))
 
 
 class FakeGrammar(TandemPlugin):
@@ -35,6 +62,8 @@ class FakeGrammar(TandemPlugin):
         self.vocab_size = config.model.vocab_size
         self.words = -(-self.vocab_size // 32)
         self._scheduler = None
+        #: Per live request: the drafts the worker last reported it keeps (async only).
+        self._kept_drafts: dict[str, list[int]] = {}
         #: One entry per bitmask computed: was that step's sampling deferred?
         self.steps: list[bool] = []
 
@@ -53,6 +82,25 @@ class FakeGrammar(TandemPlugin):
         return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
 
     @hookimpl
+    def abort_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        for req_id in request_ids:
+            self._kept_drafts.pop(req_id, None)
+
+    @hookimpl(trylast=True)
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> None:
+        """Mirror the worker's kept drafts; forget requests the scheduler released (it ran
+        first: `trylast`)."""
+        assert self._scheduler is not None
+        if model_runner_output.kept_draft_token_ids:
+            self._kept_drafts.update(model_runner_output.kept_draft_token_ids)
+        live = self._scheduler.requests
+        for req_id in scheduler_output.num_scheduled_tokens:
+            if req_id not in live:
+                self._kept_drafts.pop(req_id, None)
+
+    @hookimpl
     def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
         """One row per sampled position (1 + scheduled drafts) of each constrained request,
         in `structured_output_request_ids` order. A row needs the request's latest token:
@@ -61,18 +109,21 @@ class FakeGrammar(TandemPlugin):
             return None
         assert self._scheduler is not None
         self.steps.append(scheduler_output.pending_structured_output_tokens)
+        allow_all = torch.full((self.words,), -1, dtype=torch.int32)
         rows = []
         for req_id in scheduler_output.structured_output_request_ids:
-            request = self._scheduler.requests[req_id]
-            if (
-                request.num_output_placeholders
-                > len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())) + 1
-            ):
+            scheduled = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+            request = self._scheduler.requests.get(req_id)
+            if request is None or request.is_finished:  # left while its sampling was deferred
+                rows.extend(allow_all for _ in range(1 + len(scheduled)))
+                continue
+            if request.num_output_placeholders > len(scheduled) + 1:
                 raise AssertionError(f"{req_id}: bitmask requested before its tokens are known")
             modulus = int(request.sampling_params.structured_outputs.custom["modulus"])
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
-            history = request.all_token_ids
-            for j in range(1 + len(drafts)):
-                previous = drafts[j - 1] if j > 0 else history[-1]
+            drafts = verified_drafts(scheduled, self._kept_drafts.get(req_id, []))
+            previous = request.all_token_ids[-1]
+            for token in (*drafts, None):
                 rows.append(self._row(previous, modulus))
+                if token is not None:
+                    previous = token
         return torch.stack(rows)

@@ -128,17 +128,29 @@ class EngineCore:
                 request_ids=[request.request_id], status=RequestStatus.FINISHED_ERROR
             )
             raise
-        self._live.add(request.request_id)
+        self._admit(request.request_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        """Thread-safe: queue aborts; they take effect at the next drain point."""
+        """Thread-safe: queue aborts of the requests live now; they take effect at the next
+        drain point. An abort targets the request that has the id when it is called: an id
+        not live then (never added, already finished) is ignored, and a request added later
+        with the same id is never ended by it (`_admit` drops aborts queued before it)."""
         with self._aborts_lock:
-            self._aborts.extend(request_ids)
+            self._aborts.extend(rid for rid in request_ids if rid in self._live)
+
+    def _admit(self, request_id: str) -> None:
+        """Mark a request live. Aborts still queued for its id were queued for an earlier
+        request with that id, which finished before they were drained: drop them."""
+        with self._aborts_lock:
+            if request_id in self._aborts:
+                self._aborts = deque(rid for rid in self._aborts if rid != request_id)
+            self._live.add(request_id)
 
     def _process_aborts_queue(self) -> list[EngineCoreOutput]:
-        """Drain client aborts, then the requests plugins ended (`poll_finished_requests`)."""
+        """Drain client aborts, then the requests plugins ended (`poll_finished_requests`).
+        An abort for a request that finished after it was queued is dropped."""
         with self._aborts_lock:
-            ids = [rid for rid in self._aborts if rid in self._live]
+            ids = list(dict.fromkeys(rid for rid in self._aborts if rid in self._live))
             self._aborts.clear()
         outputs = []
         if ids:
@@ -257,8 +269,16 @@ class EngineCore:
                 self._live.discard(out.request_id)
         self.num_steps += 1
         if self.config.check_invariants:
-            idle = not self.has_unfinished_requests() and not self.batch_queue
-            check_invariants(self.scheduler_state, self.num_steps, idle)
+            state = self.scheduler_state
+            kv = state.kv_cache_manager
+            # Idle only when no step is in flight, counting one whose sampling was deferred
+            # (it is not back in the batch queue yet, but its fence is still open).
+            idle = (
+                not self.has_unfinished_requests()
+                and not self.batch_queue
+                and kv.processed_step_seq == kv.scheduled_step_seq
+            )
+            check_invariants(state, self.num_steps, idle)
         return outputs
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> list[EngineCoreOutput]:

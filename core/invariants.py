@@ -7,7 +7,8 @@ Per request: `num_output_placeholders >= 0`, `num_computed_tokens - num_output_p
 placeholders), `num_computed_tokens <= num_tokens_with_spec + num_output_placeholders`, and
 every RUNNING request holds KV blocks
 for all computed tokens. KV: every block is exactly one of free, cached-and-free, held (ref
-count = holders) or waiting for a fence; when the engine is idle, every block is free.
+count = holders) or waiting for a fence; when the engine is idle (no request waiting or
+running, no step in flight or deferred), every block is free.
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ def ledger_violations(state: SchedulerState) -> list[str]:
 
 
 def check_invariants(state: SchedulerState, step: int, idle: bool) -> None:
-    """Raise `InvariantViolation` for the first broken invariants after `step`."""
+    """Raise `InvariantViolation` for the first broken invariants after `step`.
+
+    `idle` is the caller's judgement that no request is waiting or running and no step is
+    in flight, a step whose sampling is deferred included (its blocks are still behind
+    its fence); only then must every block be free."""
     problems = ledger_violations(state)
     problems += [f"KV: {p}" for p in state.kv_cache_manager.check_invariants()]
     if idle and not state.kv_cache_manager.all_blocks_free():

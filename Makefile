@@ -31,8 +31,11 @@ test: $(STAMP)
 	cd $(EXAMPLE_PLUGIN) && ../../$(BIN)/python -m pytest -q -p no:cacheprovider tests \
 		--tandem-conformance srpt-scheduler
 
+# Long sweeps, never counted as CI; the engine fuzz runs TANDEM_FUZZ_WORKLOADS workloads.
+TANDEM_FUZZ_WORKLOADS ?= 5000
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15 -m slow tests
+	TANDEM_FUZZ_WORKLOADS=$(TANDEM_FUZZ_WORKLOADS) $(BIN)/python -m pytest -q --durations=15 \
+		-m slow tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -50,10 +50,22 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     """Which model runs. `model` is `default` (the embedded SmolLM2), `scripted` (the
-    deterministic test model), a local HF directory or a `.gguf` file."""
+    deterministic test model), a local HF directory, a `.gguf` file or a Hugging Face hub
+    id (`org/name`, read from the local hub cache; downloaded only with `allow_download`)."""
 
     model: str = "default"
     tokenizer: str | None = None
+    allow_download: bool = Field(
+        False,
+        description="a Hugging Face hub id missing from the local hub cache is downloaded "
+        "(otherwise only the cache is read: nothing downloads by default)",
+    )
+    generation_config: str = Field(
+        "auto",
+        description="default sampling parameters (vLLM's): auto = the model's "
+        "generation_config.json, vllm = none (SamplingParams' own defaults), or a directory "
+        "holding a generation_config.json",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attention: Literal["auto", "torch"] = Field(
         "auto",
@@ -127,12 +139,29 @@ class SimulatedDeviceConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """Where the model runs. Only `pipeline_parallel_size == 1` is implemented."""
+    """Where the model runs. Only `pipeline_parallel_size == 1` is implemented.
+
+    `worker_num_threads`: the worker's torch (intra-op) threads. None resolves (in
+    `resolve_config`) to `OMP_NUM_THREADS` when set, else the CPUs this process may run on
+    (`os.sched_getaffinity`). With the `inprocess` and `thread` executors the worker lives
+    in the caller's process, so this is the whole process's torch thread count.
+    """
 
     executor: Literal["inprocess", "thread", "process", "simulated"] = "inprocess"
     pipeline_parallel_size: int = Field(1, ge=1, le=1)
-    worker_num_threads: int = Field(1, ge=1)
+    worker_num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads of the worker; null: OMP_NUM_THREADS if set, else the "
+        "CPUs this process may use",
+    )
     simulated_device: SimulatedDeviceConfig = Field(default_factory=SimulatedDeviceConfig)
+    #: Where the resolved `worker_num_threads` came from, in words (set by `resolve_config`).
+    _threads_from: str = PrivateAttr(default="parallel.worker_num_threads")
+
+    @property
+    def worker_threads_from(self) -> str:
+        return self._threads_from
 
 
 class PluginSpec(_Section):

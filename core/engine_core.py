@@ -17,8 +17,6 @@ from collections import deque
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 
-import torch
-
 from tandem.core.config import EngineConfig
 from tandem.core.executor import Executor, make_executor
 from tandem.core.hook_timing import HookTimer
@@ -293,8 +291,3 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-def set_engine_threads(num_threads: int = 1) -> None:
-    """The engine process plans steps; it needs one thread (two contend badly on 2 cores)."""
-    torch.set_num_threads(num_threads)

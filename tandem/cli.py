@@ -85,6 +85,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     resolved = resolve_stack(config, source)
     firstresult = _firstresult_hooks()
     print(f"# resolved stack from {source}")
+    print(f"# {_threads_line(config)}")
     print(json.dumps(config.model_dump(exclude={"plugins"}), indent=2))
     print("plugins (call order):")
     answers: dict[str, str] = {}
@@ -106,6 +107,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tandem import LLM, SamplingParams
 
     llm = LLM(model=args.model, config=args.config, **_overrides(args))
+    print(f"tandem: {_threads_line(llm.config)}", file=sys.stderr)
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, top_p=args.top_p
     )
@@ -134,6 +136,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from tandem import LLM, SamplingParams
 
     llm = LLM(model=args.model, config=args.config, **_overrides(args))
+    print(f"tandem: {_threads_line(llm.config)}", file=sys.stderr)
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
     )
@@ -149,10 +152,22 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line:
             break
         history.append({"role": "user", "content": line})
-        reply = llm.chat(history, params)[0].outputs[0].text.strip()
+        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text.strip()
         history.append({"role": "assistant", "content": reply})
         print(f"assistant> {reply}", flush=True)
     return 0
+
+
+def _threads_line(config: Any) -> str:
+    """The worker's resolved torch threads and where the number came from."""
+    parallel = config.parallel
+    where = (
+        "the caller's process" if parallel.executor in ("inprocess", "thread") else "its process"
+    )
+    return (
+        f"worker threads: {parallel.worker_num_threads} (from {parallel.worker_threads_from}; "
+        f"{parallel.executor} executor: {where})"
+    )
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -166,6 +181,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     out = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if getattr(args, "async_scheduling", None) is not None:
         out["async_scheduling"] = args.async_scheduling
+    if getattr(args, "threads", None) is not None:
+        out["worker_num_threads"] = args.threads
+    if getattr(args, "download", False):
+        out["allow_download"] = True
     return out
 
 
@@ -175,6 +194,18 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="longest sequence (prompt + output)")
     p.add_argument("--block-size", type=int, help="tokens per KV block")
     p.add_argument("--num-kv-blocks", type=int, help="explicit KV pool size in blocks")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="the worker's torch threads (default: OMP_NUM_THREADS if set, else the CPUs "
+        "this process may use)",
+    )
+    p.add_argument(
+        "--download",
+        action="store_true",
+        help="download a Hugging Face hub model missing from the local hub cache (off: "
+        "nothing downloads by default)",
+    )
     group = p.add_mutually_exclusive_group()
     group.add_argument(
         "--async-scheduling",
@@ -218,7 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate completions for prompts")
     gen.add_argument("prompts", nargs="+", help="prompt texts (or token ids with --token-ids)")
     gen.add_argument(
-        "--model", help="model: 'default', 'scripted', an HF directory or a .gguf file"
+        "--model",
+        help="model: 'default', 'scripted', an HF directory, a .gguf file or a hub id "
+        "(org/name, from the local Hugging Face cache)",
     )
     gen.add_argument("--config", help="YAML stack file")
     gen.add_argument(
@@ -232,7 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(fn=cmd_generate)
 
     chat = sub.add_parser("chat", help="chat on stdin with the model's chat template")
-    chat.add_argument("--model", help="model: 'default', an HF directory or a .gguf file")
+    chat.add_argument(
+        "--model",
+        help="model: 'default', an HF directory, a .gguf file or a hub id (org/name, from "
+        "the local Hugging Face cache)",
+    )
     chat.add_argument("--config", help="YAML stack file")
     chat.add_argument("--system", help="system prompt")
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

@@ -8,6 +8,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The engine's worker takes OMP_NUM_THREADS as its default thread count (the Makefile
+# exports 1): keep a bare `pytest` run at one thread too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 

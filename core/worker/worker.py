@@ -7,6 +7,7 @@ import torch
 from tandem.core.config import EngineConfig
 from tandem.core.model_runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 from tandem.core.plugin_manager import TandemPluginManager
+from tandem.core.resolve import set_worker_threads
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.model_loader import load_step_model
 from tandem.core.worker.model_runner import ModelRunner, StepModel
@@ -17,7 +18,7 @@ class Worker:
     thread or process: no live plugin object is shared with the engine."""
 
     def __init__(self, config: EngineConfig, model: StepModel | None = None) -> None:
-        torch.set_num_threads(config.parallel.worker_num_threads)
+        set_worker_threads(config)
         self.config = config
         self.plugin_manager = TandemPluginManager(config, side="worker", source=config.source)
         self.model = model if model is not None else load_step_model(config)

@@ -74,6 +74,9 @@ class ModelConfig(_Section):
     )
     seed: int = 0
     max_model_len: int | None = Field(None, ge=2)
+    max_logprobs: int = Field(
+        20, ge=0, description="largest logprobs / prompt_logprobs a request may ask (vLLM's)"
+    )
     vocab_size: int | None = Field(None, ge=2, description="scripted model only")
     eos_token_id: int | None = Field(None, ge=0, description="scripted model only")
 

@@ -25,7 +25,7 @@ from tandem.core.model_runner_output import ModelRunnerOutput, resolve_output
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.plugin_manager import TandemPluginManager
 from tandem.core.request import Request, RequestRejectedError, RequestStatus
-from tandem.core.sampling_params import SamplingParams
+from tandem.core.sampling_params import SamplingParams, validate_for_model
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.scheduler_state import SchedulerState
 from tandem.core.step_trace import StepTracer
@@ -33,6 +33,12 @@ from tandem.core.step_trace import StepTracer
 logger = logging.getLogger("tandem.engine")
 
 QueuedStep = tuple[Future, SchedulerOutput, Future]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped after a step failed in a way no single request explains (the
+    forward pass, the scheduler or a plugin's bookkeeping raised). Every request it held
+    ended with `finish_reason == "error"`; it accepts no new work. Create a new engine."""
 
 
 class EngineCore:
@@ -64,6 +70,8 @@ class EngineCore:
         self._live: set[str] = set()
         self.step_fn = self.step_with_batch_queue if self.batch_queue_size > 1 else self.step
         self.num_steps = 0
+        #: Why the engine stopped (`run_step` contained a failed step), or None while alive.
+        self.dead_error: str | None = None
         #: Set a `StepTracer` to record engine spans (`tandem trace`); None costs nothing.
         self.tracer: StepTracer | None = None
         #: Per-plugin hook timing when `config.trace_hooks` (`HookTimer.summary`).
@@ -81,6 +89,8 @@ class EngineCore:
     # Requests -------------------------------------------------------------------------
     def validate_request(self, request: Request) -> None:
         """Reject what no step could run; the message names the field."""
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
         if not isinstance(request.sampling_params, SamplingParams):
             raise TypeError("sampling_params: expected a tandem.SamplingParams")
         n = request.num_prompt_tokens
@@ -101,6 +111,9 @@ class EngineCore:
                 f"request {request.request_id}: prompt_token_ids: token id {bad} is "
                 f"outside the vocabulary [0, {self.vocab_size})"
             )
+        validate_for_model(
+            request.sampling_params, self.vocab_size, self.config.model.max_logprobs
+        )
         if request.use_structured_output and not self.plugin_manager.plugins_with_role("grammar"):
             raise RequestRejectedError(
                 f"request {request.request_id}: structured_outputs: this engine's stack has no "
@@ -180,10 +193,12 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.hook.has_unfinished_requests())
+        return self.dead_error is None and bool(self.hook.has_unfinished_requests())
 
     def has_work(self) -> bool:
-        """Requests to run, steps in flight or aborts to report."""
+        """Requests to run, steps in flight or aborts to report (never, once dead)."""
+        if self.dead_error is not None:
+            return False
         return self.has_unfinished_requests() or bool(self.batch_queue) or bool(self._aborts)
 
     @property
@@ -252,6 +267,7 @@ class EngineCore:
     def _update_from_output(
         self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
+        failed = self._fail_requests(model_output.failed)
         results = self.hook.update_from_output(
             scheduler_output=scheduler_output, model_runner_output=model_output
         )
@@ -261,7 +277,7 @@ class EngineCore:
                 f"update_from_output: exactly one plugin (the scheduler) must return outputs, "
                 f"{len(answers)} did"
             )
-        outputs: list[EngineCoreOutput] = answers[0]
+        outputs: list[EngineCoreOutput] = failed + answers[0]
         for out in outputs:
             if out.finish_reason is not None:
                 self._live.discard(out.request_id)
@@ -278,6 +294,56 @@ class EngineCore:
             )
             check_invariants(state, self.num_steps, idle)
         return outputs
+
+    def _fail_requests(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
+        """End the requests whose own processing failed in the worker (`errors`: id ->
+        reason) with `finish_reason == "error"`, exactly like an abort: the scheduler frees
+        their KV through the fence and skips their results."""
+        ids = [rid for rid in errors if rid in self._live]
+        if not ids:
+            return []
+        self.hook.abort_requests(request_ids=ids, status=RequestStatus.FINISHED_ERROR)
+        self._live.difference_update(ids)
+        return [
+            EngineCoreOutput(
+                request_id=rid, new_token_ids=[], finish_reason="error", error=errors[rid]
+            )
+            for rid in ids
+        ]
+
+    def run_step(self) -> tuple[list[EngineCoreOutput], bool]:
+        """`step_fn` for front doors: a step that raises (the forward pass, the scheduler,
+        a plugin's bookkeeping: nothing one request explains) stops the engine instead of
+        leaving requests RUNNING with no way forward. Every live request then ends with
+        `finish_reason == "error"` naming the failure, `has_work()` turns False and
+        `add_request` raises `EngineDeadError`. Per-request failures never get here: the
+        worker isolates them (`ModelRunnerOutput.failed`)."""
+        if self.dead_error is not None:
+            return [], False
+        try:
+            return self.step_fn()
+        except Exception as exc:
+            logger.exception("engine step %d failed; stopping the engine", self.num_steps)
+            return self._die(exc), False
+
+    def _die(self, exc: Exception) -> list[EngineCoreOutput]:
+        reason = (
+            f"the engine stopped: step {self.num_steps} failed with {type(exc).__name__}: "
+            f"{exc}; create a new engine (LLM) to go on"
+        )
+        self.dead_error = reason
+        live, self._live = sorted(self._live), set()
+        self.batch_queue.clear()
+        with self._aborts_lock:
+            self._aborts.clear()
+        try:  # let the plugins drop their state; the engine is dead either way
+            self.hook.abort_requests(request_ids=live, status=RequestStatus.FINISHED_ERROR)
+        except Exception:
+            logger.exception("abort_requests failed while stopping the engine")
+        return [
+            EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error", error=reason)
+            for rid in live
+        ]
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> list[EngineCoreOutput]:
         """Step until nothing is waiting, running or in flight; return every output."""

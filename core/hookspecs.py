@@ -192,9 +192,18 @@ class WorkerHookSpecs:
         Caller: the model runner, after the forward pass (and, under deferred sampling,
         one step later). First result wins. `logits` is float32 `[num_rows, vocab]`, one
         row per sampled position (for a request verifying k drafts: k + 1 rows, drafts
-        first). The sampler applies `metadata.grammar_bitmask` to the constrained rows,
-        penalties, temperature, top-k/p, min-p, and draws seeded randomness from
-        (seed, output index). It must not keep references to `logits`.
+        first). The sampler applies, in this order, `metadata.logit_bias`,
+        `allowed_token_ids`, `grammar_bitmask` (constrained rows), penalties and blocked
+        tokens, then temperature (rows below `SAMPLING_EPS` are greedy), top-k/p and min-p,
+        and draws a seeded row's randomness from (seed, output index): `metadata.seeded`
+        marks seeded rows, whose `seeds` hold the seed's 64 bits as int64 (so -1 is a valid
+        seed). It must not keep references to `logits`, and may change it in place only by
+        masking (setting entries to -inf), since `logits` is sampled again after a failure.
+
+        Failure: an exception fails the batch; the runner then samples each request alone
+        and ends the ones that still raise with `finish_reason == "error"` (the others are
+        sampled again together and go on). A plugin that raises must leave no partial state
+        behind for a row it did not finish.
         """
 
     @hookspec(firstresult=True)

@@ -383,7 +383,7 @@ class LLM:
     def _run(self, progress: _Progress | None = None) -> None:
         """Step until idle, reporting finished requests to `progress`."""
         while self.engine.has_work():
-            outputs, _ = self.engine.step_fn()
+            outputs, _ = self.engine.run_step()
             finished = self.output_processor.process(outputs)
             if progress is not None and finished:
                 progress.finished(finished)

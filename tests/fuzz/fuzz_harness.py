@@ -9,7 +9,8 @@ size, KV pools down to one max-length sequence, token budget, `max_num_seqs`,
 sampling (temperature, top-k/p, min-p, penalties, bad words, logprobs), stop tokens,
 `min_tokens`, `ignore_eos`, `max_tokens` up to 10**6 (ended by `max_model_len`),
 priorities, arrivals over steps, aborts (before the first step, in flight, after the
-request finished) and request ids reused by later requests.
+request finished, and from inside a step as a client thread's would arrive) and request
+ids reused by later requests.
 
 `run_workload(workload, mode)` drives one engine step by step (`inprocess` sync or async,
 `thread`, `process`), with `check_invariants: true` (ledger and KV invariants after every
@@ -34,7 +35,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.core import hookimpl
 from tandem.core.engine_core import EngineCore
+from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.scripted_model import scripted_next_token
 from tandem.testing.engine import make_request, make_scripted_engine
 
@@ -161,6 +164,14 @@ def generate_workload(seed: int) -> dict[str, Any]:
             if rng.random() < 0.5:  # the race: abort the finished one, then reuse its id
                 earlier["abort_after_finish"] = True
     ghost_aborts = [rng.randint(0, 30) for _ in range(rng.choice([0, 0, 0, 1, 2]))]
+    # Aborts that arrive during a step, after its last drain (as from a client thread).
+    # Drawn from a second stream, so they left every other draw of a seed unchanged.
+    threads = random.Random(f"abort-in-update-{seed}")
+    for entry in requests:
+        if threads.random() < 0.1:
+            entry["abort_in_update"] = threads.choice([0, threads.randint(1, 40)])
+        if entry.get("abort_after_finish") and threads.random() < 0.5:
+            entry["abort_as_it_finishes"] = True  # then its id is reused
     return {
         "seed": seed,
         "engine": engine,
@@ -331,6 +342,30 @@ def run_workload(workload: dict[str, Any], mode: str) -> RunResult:
         engine.shutdown()
 
 
+class _AbortInUpdate:
+    """Queues aborts from inside `update_from_output`, after the scheduler's and after the
+    kernel's last drain before it, as a client thread's abort can arrive: `pending` ids at
+    the next update, and each id of `as_it_finishes` in the update that finishes it (the
+    request is still live for the kernel then; its id may be reused right after)."""
+
+    def __init__(self, engine: EngineCore) -> None:
+        self.engine = engine
+        self.pending: list[str] = []
+        self.as_it_finishes: set[str] = set()
+
+    @hookimpl(trylast=True)
+    def update_from_output(self, scheduler_output: SchedulerOutput) -> None:
+        registry = self.engine.scheduler_state.requests
+        ids = self.pending + [
+            rid
+            for rid in scheduler_output.num_scheduled_tokens
+            if rid in self.as_it_finishes and rid not in registry
+        ]
+        self.pending = []
+        if ids:
+            self.engine.abort_requests(ids)
+
+
 def _drive(engine: EngineCore, workload: dict[str, Any]) -> RunResult:
     entries = workload["requests"]
     eos = workload["engine"]["eos_token_id"]
@@ -341,8 +376,11 @@ def _drive(engine: EngineCore, workload: dict[str, Any]) -> RunResult:
     ghosts = list(workload.get("ghost_aborts", ()))
     step = 0
     num_added = 0
+    in_update = _AbortInUpdate(engine)
+    engine.plugin_manager.register(in_update, name="fuzz-abort-in-update")
 
     def finished(i: int) -> None:
+        in_update.as_it_finishes.discard(entries[i]["rid"])
         if entries[i].get("abort_after_finish"):
             engine.abort_requests([entries[i]["rid"]])  # a no-op: it already finished
 
@@ -382,6 +420,13 @@ def _drive(engine: EngineCore, workload: dict[str, Any]) -> RunResult:
             added_at[i] = step
             live[entry["rid"]] = i
             num_added += 1
+        for i, entry in enumerate(entries):
+            delay, added = entry.get("abort_in_update"), added_at[i]
+            due = delay is not None and added is not None and added + delay == step
+            if due and live.get(entry["rid"], i) == i:
+                in_update.pending.append(entry["rid"])
+            if entry.get("abort_as_it_finishes") and live.get(entry["rid"]) == i:
+                in_update.as_it_finishes.add(entry["rid"])
         done = all(r is not None for r in reasons) and all(a is not None for a in added_at)
         if done and step >= max(ghosts, default=0) and not engine.has_work():
             break
@@ -429,7 +474,7 @@ def compare(workload: dict[str, Any], results: dict[str, RunResult]) -> list[str
         outcomes = {mode: result.outcomes[i] for mode, result in results.items()}
         oracle = greedy_reference(entry, workload["engine"])
         aborted_any = any(reason == "abort" for _, reason in outcomes.values())
-        may_abort = entry.get("abort_after") is not None
+        may_abort = "abort_after" in entry or "abort_in_update" in entry
         for mode, (_, reason) in outcomes.items():
             if reason is None:
                 problems.append(f"{name} under {mode}: never finished")
@@ -541,7 +586,7 @@ def shrink(workload: dict[str, Any], modes: list[str], budget: int = 150) -> dic
                         r["params"].pop("structured_outputs", None)
                 changed |= attempt(candidate)
         for i in range(len(current["requests"])):
-            for key in ("abort_after", "abort_after_finish", "num_correct"):
+            for key in ("abort_after", "abort_in_update", "abort_after_finish", "num_correct"):
                 if key in current["requests"][i]:
                     candidate = json.loads(json.dumps(current))
                     del candidate["requests"][i][key]

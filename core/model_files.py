@@ -294,13 +294,19 @@ GENERATION_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p
 #: the embedded Q4_1 weights the first token of "What is the capital of France?" is a near
 #: tie ("The" 25.33 vs "L" 25.24 logits), so at 0.2 about a third of the answers start
 #: "L'Étoile, la Marseillaise, ..." and short poems fall into loops; greedy answers
-#: "The capital of France is Paris." (docs: README "Generation defaults").
-EMBEDDED_GENERATION_DEFAULTS: dict[str, object] = {"temperature": 0.0, "max_new_tokens": 256}
+#: "The capital of France is Paris." (docs: README "Generation defaults"). `do_sample` is
+#: for transformers, which warns at every load about a temperature without it; tandem and
+#: vLLM ignore it and read temperature 0 as greedy.
+EMBEDDED_GENERATION_DEFAULTS: dict[str, object] = {
+    "do_sample": True,
+    "temperature": 0.0,
+    "max_new_tokens": 256,
+}
 #: Marks a generation_config.json whose sampling keys tandem wrote (and may rewrite when
 #: `EMBEDDED_GENERATION_DEFAULTS` changes); a file with sampling keys and no marker is left
 #: alone.
 EMBEDDED_DEFAULTS_MARKER = "tandem_embedded_defaults"
-EMBEDDED_DEFAULTS_VERSION = 1
+EMBEDDED_DEFAULTS_VERSION = 2
 
 
 def generation_defaults(directory: Path) -> dict[str, object]:

@@ -143,7 +143,7 @@ def test_embedded_defaults_of_an_older_version_are_replaced(tmp_path: Path) -> N
     path.write_text(json.dumps({**old, "eos_token_id": 2}))
     ensure_embedded_generation_config(tmp_path)
     written = json.loads(path.read_text())
-    assert "top_p" not in written and "do_sample" not in written
+    assert "top_p" not in written
     assert written["eos_token_id"] == 2
     assert generation_defaults(tmp_path) == {"temperature": 0.0, "max_tokens": 256}
 

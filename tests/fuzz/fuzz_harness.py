@@ -119,7 +119,7 @@ def generate_workload(seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     vocab = rng.choice([32, 64, 128, 128, MAX_VOCAB])
     eos = rng.choice([0, 1, 1, 5, vocab - 1])
-    max_model_len = rng.choice([rng.randint(8, 48), rng.randint(16, 100), rng.randint(48, 176)])
+    max_model_len = rng.choice([rng.randint(8, 48), rng.randint(16, 96), rng.randint(40, 160)])
     block_size = rng.choice([1, 2, 3, 4, 4, 8, 16])
     min_blocks = math.ceil(max_model_len / block_size)
     num_kv_blocks = rng.choice(
@@ -199,7 +199,9 @@ def _request(
         for _ in range(length - keep)
     ]
     params: dict[str, Any] = {
-        "max_tokens": rng.choice([rng.randint(1, 8), rng.randint(1, 40), 10**6]),
+        "max_tokens": rng.choice(
+            [rng.randint(1, 8), rng.randint(1, 40), rng.randint(1, 40), 10**6]
+        ),
         "ignore_eos": rng.random() < 0.4,
     }
     if rng.random() < 0.4:

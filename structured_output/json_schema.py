@@ -37,7 +37,7 @@ Rewrites (both backends unless noted):
 Refused (`SchemaRefused`): `not`, `if`/`then`/`else`, `dependentRequired`,
 `dependentSchemas`, `dependencies`, `contains`, `uniqueItems`, overlapping `oneOf`,
 `multipleOf` on non-integers, remote or recursive-with-siblings `$ref`; on outlines-core
-also `patternProperties`, `propertyNames`, `minProperties`/`maxProperties` that can fail,
+also recursive `$ref` (its depth limit writes invalid JSON), `patternProperties`, `propertyNames`, `minProperties`/`maxProperties` that can fail,
 and formats it lacks; on xgrammar the formats it ignores; `format` beside `pattern` or
 lengths the format does not imply; and schemas no value satisfies.
 """
@@ -52,8 +52,13 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from tandem.structured_output.number_regex import decimal_range_regex, integer_range_regex
-from tandem.structured_output.pattern import PatternError, parse_pattern, uses_property_classes
+from tandem.structured_output.number_regex import (
+    MAX_BOUND_DIGITS,
+    bound_digits,
+    decimal_range_regex,
+    integer_range_regex,
+)
+from tandem.structured_output.pattern import PatternError, parse_pattern
 
 ANNOTATIONS = frozenset(
     {
@@ -112,8 +117,9 @@ class SchemaSupport:
     raw_json_patterns: bool
     #: Integer bounds must fit in int64 (xgrammar).
     int64_bounds: bool
-    #: Patterns may use Unicode property classes `\\p{...}` (xgrammar cannot compile them).
-    property_classes: bool
+    #: Recursive `$ref` (outlines-core unrolls a few levels and then writes an object with
+    #: the recursive property dropped and a trailing comma: invalid JSON).
+    recursion: bool
 
 
 XGRAMMAR = SchemaSupport(
@@ -142,7 +148,7 @@ XGRAMMAR = SchemaSupport(
     ),  # fmt: skip
     raw_json_patterns=False,
     int64_bounds=True,
-    property_classes=False,
+    recursion=True,
 )
 OUTLINES = SchemaSupport(
     name="outlines",
@@ -153,7 +159,7 @@ OUTLINES = SchemaSupport(
     formats=frozenset({"date-time", "date", "time", "email", "uri", "uuid"}),
     raw_json_patterns=True,
     int64_bounds=False,
-    property_classes=True,
+    recursion=False,
 )
 SUPPORT = {s.name: s for s in (XGRAMMAR, OUTLINES)}
 
@@ -393,6 +399,8 @@ class _Walker:
             ref, _, _ = self._target(s["$ref"], child(path, "$ref"))
             siblings = {k: v for k, v in s.items() if k != "$ref" and k not in ANNOTATIONS}
             if not siblings:
+                if not self.support.recursion and self._is_recursive(ref, path):
+                    raise self.refuse(child(path, "$ref"), f" (recursive reference {ref!r})")
                 self._walk_ref(ref, path)
                 if self._ref_is_empty(ref):
                     raise EmptySchema(child(path, "$ref"), "the referenced schema admits no value")
@@ -587,6 +595,14 @@ class _Walker:
             if hi is not None:
                 out[hi_key] = s[hi_key]
             return out
+        whole = [None if b is None else int(b) for b in (lo, hi)]
+        if bound_digits(whole[0], whole[1]) > MAX_BOUND_DIGITS:
+            key = lo_key if lo is not None and len(str(abs(int(lo)))) > MAX_BOUND_DIGITS else hi_key
+            raise self.refuse(
+                child(path, key),
+                f" (a bound of more than {MAX_BOUND_DIGITS} digits: its index would take "
+                "seconds to build)",
+            )
         return self.splice(decimal_range_regex(lo, hi, lo_excl, hi_excl))
 
     def integer(
@@ -594,11 +610,13 @@ class _Walker:
     ) -> dict[str, Any]:
         if self.support.number_bounds:
             out: dict[str, Any] = {"type": "integer"}
-            if self.support.int64_bounds:
+            if self.support.int64_bounds:  # clamped: a subset; refused if none is left
+                if lo is not None and lo > INT64_MAX:
+                    raise self.refuse(child(path, lo_key), " (bounds outside the int64 range)")
+                if hi is not None and hi < -INT64_MAX:
+                    raise self.refuse(child(path, hi_key), " (bounds outside the int64 range)")
                 lo = None if lo is None else max(lo, -INT64_MAX)
                 hi = None if hi is None else min(hi, INT64_MAX)
-                if lo is not None and hi is not None and lo > hi:
-                    raise self.refuse(child(path, lo_key), " (bounds outside the int64 range)")
             if lo is not None:
                 out["minimum"] = lo
             if hi is not None:
@@ -622,6 +640,13 @@ class _Walker:
             return self.splice("(?:" + "|".join(str(v) for v in values) + ")")
         if lo is None and hi is None:
             return {"type": "integer"}
+        if bound_digits(lo, hi) > MAX_BOUND_DIGITS:
+            key = lo_key if lo is not None and len(str(abs(lo))) > MAX_BOUND_DIGITS else hi_key
+            raise self.refuse(
+                child(path, key),
+                f" (a bound of more than {MAX_BOUND_DIGITS} digits: its index would take "
+                "seconds to build)",
+            )
         return self.splice(integer_range_regex(lo, hi))
 
     def splice(self, regex: str) -> dict[str, Any]:
@@ -659,8 +684,6 @@ class _Walker:
             return out
         if "pattern" in s:
             where = child(path, "pattern")
-            if not self.support.property_classes and uses_property_classes(s["pattern"]):
-                raise self.refuse(where, " (Unicode property classes \\p{...})")
             try:
                 pattern = parse_pattern(s["pattern"]).strip_anchors()
                 if has_lengths:

@@ -26,6 +26,7 @@ matches `^a|b$`. What this module does with a pattern:
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 
 #: Characters a raw JSON string cannot contain, as a class body (outlines dialect).
@@ -426,7 +427,9 @@ def _fold(seq: Sequence, min_length: int, max_length: int | None) -> Sequence | 
 def parse_pattern(text: str) -> Pattern:
     """Parse a JSON-schema `pattern`; raises PatternError naming the unsupported feature."""
     try:
-        re.compile(text)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # nested sets: refused below
+            re.compile(text)
     except re.error as exc:
         raise PatternError(f"invalid regex: {exc}") from None
     parser = _Parser(text)
@@ -434,8 +437,3 @@ def parse_pattern(text: str) -> Pattern:
     if parser.pos != len(text):
         raise parser.error("unbalanced ')'")
     return Pattern(alts)
-
-
-def uses_property_classes(text: str) -> bool:
-    """Whether a regex uses Unicode property classes (`\\p{L}`, `\\P{L}`)."""
-    return re.search(r"\\[pP]", text.replace("\\\\", "")) is not None

@@ -14,10 +14,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from tandem.core.request import RequestRejectedError
 from tandem.core.structured_outputs import StructuredOutputsParams
 from tandem.structured_output.backend import check_regex, choice_regex, prepared_json_schema
-from tandem.structured_output.pattern import uses_property_classes
 
 
 class XgrammarMatcher:
@@ -65,11 +63,6 @@ class XgrammarBackend:
     def check(self, spec: StructuredOutputsParams) -> None:
         if spec.regex is not None:
             check_regex(spec.regex)
-            if uses_property_classes(spec.regex):
-                raise RequestRejectedError(
-                    "structured_outputs.regex: Unicode property classes (\\p{...}) are not "
-                    "supported by xgrammar; use backend 'outlines' or 'auto'"
-                )
         if spec.json is not None:
             prepared_json_schema(self.name, spec.json)
 

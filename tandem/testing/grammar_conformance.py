@@ -175,6 +175,7 @@ CORPUS: tuple[SchemaCase, ...] = (
             ),
             tags={"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
         ),
+        max_tokens=64,
     ),
     SchemaCase(
         "optional-properties",
@@ -235,7 +236,7 @@ CORPUS: tuple[SchemaCase, ...] = (
     ),
     SchemaCase(
         "ref-recursion",
-        "Write a small family tree as JSON.",
+        "Write a family tree of one parent with two children as JSON.",
         {
             "$defs": {
                 "node": {
@@ -248,7 +249,7 @@ CORPUS: tuple[SchemaCase, ...] = (
                             "maxItems": 2,
                         },
                     },
-                    "required": ["name", "children"],
+                    "required": ["name"],
                 }
             },
             "$ref": "#/$defs/node",

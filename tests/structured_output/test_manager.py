@@ -266,3 +266,31 @@ def test_idle_engine_waits_for_a_compile_instead_of_spinning(
     blocker.result()
     assert busy < IDLE_WAIT_S <= idle
     wait_ready(manager, request)
+
+
+def test_auto_takes_the_first_backend_that_enforces_the_whole_constraint(
+    smollm2_config: EngineConfig,
+) -> None:
+    manager = make_manager(smollm2_config)  # the config's default backend: auto
+    assert manager.default_backend == "auto"
+    plain = constrained("plain", json=SCHEMA)
+    huge = constrained("huge", json={"type": "integer", "minimum": 10**20})  # beyond int64
+    for request in (plain, huge):
+        manager.add_request(request)
+    chosen = {rid: state.backend.name for rid, state in manager._states.items()}
+    assert chosen == {"plain": "xgrammar", "huge": "outlines"}
+    assert manager.auto_choices == {"xgrammar": 1, "outlines": 1}
+    assert wait_ready(manager, plain, huge) == []
+    # A schema only xgrammar enforces is refused when outlines is asked for by name.
+    counted = {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}
+    manager.add_request(constrained("auto-counted", json=counted))
+    assert manager._states["auto-counted"].backend.name == "xgrammar"
+    with pytest.raises(RequestRejectedError, match=r"\$.minProperties: not enforced by outlines"):
+        manager.add_request(constrained("outlines-counted", json=counted, backend="outlines"))
+    # Neither enforces it: one message naming the keyword and both backends.
+    with pytest.raises(
+        RequestRejectedError,
+        match=r"request none: structured_outputs.json: \$.uniqueItems: not enforced by "
+        r"xgrammar or outlines-core",
+    ):
+        manager.add_request(constrained("none", json={"type": "array", "uniqueItems": True}))

@@ -346,9 +346,10 @@ def run_workload(workload: dict[str, Any], mode: str) -> RunResult:
 
 class _AbortInUpdate:
     """Queues aborts from inside `update_from_output`, after the scheduler's and after the
-    kernel's last drain before it, as a client thread's abort can arrive: `pending` ids at
-    the next update, and each id of `as_it_finishes` in the update that finishes it (the
-    request is still live for the kernel then; its id may be reused right after)."""
+    kernel's last drain before it, as a client thread's abort can arrive: `pending` ids in
+    this step's update (the driver delivers them itself after a step without one), and
+    each id of `as_it_finishes` in the update that finishes it (the request is still live
+    for the kernel then; its id may be reused right after)."""
 
     def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
@@ -433,6 +434,9 @@ def _drive(engine: EngineCore, workload: dict[str, Any]) -> RunResult:
         if done and step >= max(ghosts, default=0) and not engine.has_work():
             break
         outputs, _ = engine.step_fn()
+        if in_update.pending:  # no update in this step (idle): deliver them between steps
+            engine.abort_requests(in_update.pending)
+            in_update.pending = []
         for out in outputs:
             i = live.get(out.request_id)
             if i is None:

@@ -333,6 +333,18 @@ class _Walker:
             raise EmptySchema(path, "no value satisfies the schema")
         a = self._inline(a, path)
         b = self._inline(b, path)
+        for mine, theirs in ((a, b), (b, a)):
+            # `mine`'s additionalProperties/patternProperties govern the properties only
+            # `theirs` lists: not merged here.
+            closed = (
+                mine.get("additionalProperties", True) is not True or "patternProperties" in mine
+            )
+            if closed and set(theirs.get("properties", {})) - set(mine.get("properties", {})):
+                raise self.refuse(
+                    child(path, "properties"),
+                    " (properties one subschema lists and another's additionalProperties "
+                    "governs cannot be combined)",
+                )
         out = dict(a)
         for key, value in b.items():
             if key not in out or _canonical(out[key]) == _canonical(value) or key in ANNOTATIONS:
@@ -355,14 +367,9 @@ class _Walker:
             elif key == "enum":
                 theirs = {_canonical(v) for v in value}
                 out[key] = [v for v in mine if _canonical(v) in theirs]
+            elif key == "const":
+                raise EmptySchema(child(path, key), "two subschemas require different constants")
             elif key == "properties" and isinstance(mine, dict) and isinstance(value, dict):
-                if {"additionalProperties", "patternProperties"} & (set(a) | set(b)) and set(
-                    mine
-                ) != set(value):
-                    raise self.refuse(
-                        child(path, key),
-                        " (subschemas with additionalProperties and different properties cannot be combined)",
-                    )
                 props = dict(mine)
                 for name, sub in value.items():
                     props[name] = (
@@ -411,8 +418,8 @@ class _Walker:
             subs = s["allOf"]
             if not isinstance(subs, list) or not subs:
                 raise SchemaRefused(child(path, "allOf"), "expected a non-empty list of schemas")
-            for sub in subs:
-                merged = self.merge(merged, sub, child(path, "allOf"))
+            for i, sub in enumerate(subs):
+                merged = self.merge(merged, sub, child(child(path, "allOf"), i))
             return self.node(merged, path)
         if "enum" in s or "const" in s:
             return self.constants(s, path)

@@ -245,7 +245,7 @@ def run_mode(
         if with_bad:
             for name, (spec, _) in BAD_REQUESTS.items():
                 add(name, "Say something.", spec)
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
         result: dict[Any, Any] = dict(zip(keys, outputs, strict=True))
         grammar = llm.engine.plugin_manager.get_plugin("structured-output")
         scheduler = llm.engine.plugin_manager.plugins_with_role("scheduler")[0]

@@ -187,6 +187,11 @@ REFUSED: list[tuple[str, dict[str, Any], dict[str, str]]] = [
         {"*": "$: no integer lies in [10, 5]"},
     ),
     (
+        "allOf whose additionalProperties closes the other's properties",
+        {"allOf": [{"type": "object", "additionalProperties": False}, {"properties": {"x": {}}}]},
+        {"*": "$.allOf[1].properties: not enforced by"},
+    ),
+    (
         "minProperties",
         {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},
         {"outlines": "$.minProperties: not enforced by outlines-core"},

@@ -9,8 +9,11 @@ its environment, so the default run resolves from the CPU affinity exactly as a 
 the result is the median over rounds of each configuration's output tokens per second;
 `default_over_best` is the default's median over the best hand-set median (target: at
 least 0.95). Writes benchmarks/results/threads.json with the CPU flags and load average.
+`--passive` adds a fourth configuration, the default with `OMP_WAIT_POLICY=PASSIVE` in the
+environment (OpenMP threads sleep at barriers instead of spinning), reported beside the
+others and not counted as a hand-set thread count.
 
-    python benchmarks/bench_threads.py [--rounds 5] [--threads 1 2]
+    python benchmarks/bench_threads.py [--rounds 5] [--threads 1 2] [--passive]
 """
 
 from __future__ import annotations
@@ -61,13 +64,24 @@ def child(threads: int | None, workload: Path) -> dict[str, Any]:
     }
 
 
-def run_child(threads: int | None, workload: Path) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+PASSIVE = "default, OMP_WAIT_POLICY=PASSIVE"
+
+
+def run_child(config: int | str | None, workload: Path) -> dict[str, Any]:
+    """One run in a fresh process without OMP_NUM_THREADS: `config` is None (the default),
+    a hand-set thread count, or `PASSIVE`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
     env["HF_HUB_OFFLINE"] = "1"
+    if config == PASSIVE:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    threads = config if isinstance(config, int) else None
     cmd = [sys.executable, __file__, "--child", "default" if threads is None else str(threads)]
     cmd += ["--workload", str(workload)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    result = json.loads(out.strip().splitlines()[-1])
+    if config == PASSIVE:
+        result["option"] = PASSIVE
+    return result
 
 
 def cpu_flags() -> dict[str, bool]:
@@ -88,13 +102,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--workload", type=Path, default=WORKLOAD)
     parser.add_argument("--out", type=Path, default=RESULT)
+    parser.add_argument("--passive", action="store_true", help="also the default, passive")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         threads = None if args.child == "default" else int(args.child)
         print(json.dumps(child(threads, args.workload)))
         return
-    configs: list[int | None] = [None, *args.threads]
+    configs: list[int | str | None] = [None, *args.threads] + ([PASSIVE] if args.passive else [])
     load_before = os.getloadavg()
     rounds = []
     for r in range(args.rounds):
@@ -107,7 +122,7 @@ def main() -> None:
         rounds.append(results)
     names = list(rounds[0])
     medians = {n: statistics.median(rd[n]["output_tokens_per_s"] for rd in rounds) for n in names}
-    hand_set = {n: v for n, v in medians.items() if n != "default"}
+    hand_set = {n: v for n, v in medians.items() if n.startswith("worker_num_threads=")}
     best = max(hand_set, key=lambda n: hand_set[n])
     per_round = [
         rd["default"]["output_tokens_per_s"] / rd[best]["output_tokens_per_s"] for rd in rounds
@@ -122,6 +137,9 @@ def main() -> None:
         "default_over_best": medians["default"] / medians[best],
         "default_over_best_per_round": per_round,
         "target": 0.95,
+        "passive_default_over_best": medians[PASSIVE] / medians[best]
+        if PASSIVE in medians
+        else None,
         "cpu_flags": cpu_flags(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),

@@ -54,6 +54,7 @@ class LLM:
         executor_cls = executor_class(user_config.parallel.executor)
         supports_async = executor_cls.supports_async_scheduling if executor_cls else False
         self.config = resolve_config(user_config, executor_supports_async=supports_async)
+        self._generation_defaults = self._load_generation_defaults()
         source = str(config) if isinstance(config, (str, Path)) else "<config>"
         self.engine = EngineCore(self.config, source=source)
         self.tokenizer = None
@@ -63,7 +64,6 @@ class LLM:
             self.tokenizer = load_tokenizer(Path(self.config.model.model))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
-        self._generation_defaults = self._load_generation_defaults()
 
     # vLLM's accessors -------------------------------------------------------------------
     def get_tokenizer(self) -> Any:

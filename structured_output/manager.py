@@ -29,7 +29,10 @@ Life of a constrained request:
    rows stay all-ones (the verifier rejects at that draft, since the target obeys that
    row's mask). Under async scheduling the scheduled drafts are `-1` placeholders; the
    rows then use the drafts the worker reported in `kept_draft_token_ids` (padded with
-   token 0, as the worker pads), so they are the drafts the worker really verifies.
+   token 0, as the worker pads; forgotten when the request is preempted, as the worker
+   forgets them), so they are the drafts the worker really verifies. A request of the
+   list that left while the step's sampling was deferred has no state here: its rows
+   stay all-ones.
 4. `update_from_output` (after the scheduler, `trylast`): each matcher accepts the
    request's new confirmed tokens, `all_token_ids[num_prompt_tokens + num_consumed:]`.
    Drafts are never left accepted (step 3 rolls them back), so rejected drafts, stop
@@ -328,8 +331,9 @@ class StructuredOutputManager(TandemPlugin):
         self._engine_idle = scheduler_output.total_num_scheduled_tokens == 0
         for rid in scheduler_output.preempted_req_ids:
             state = self._states.get(rid)
-            if state is not None and state.num_consumed > 0:
-                self.num_preempted_mid_grammar += 1
+            if state is not None:
+                state.drafts = []  # the worker drops its drafts of a preempted request
+                self.num_preempted_mid_grammar += state.num_consumed > 0
         kept = model_runner_output.kept_draft_token_ids
         if kept:
             for rid, drafts in kept.items():

@@ -236,23 +236,25 @@ CORPUS: tuple[SchemaCase, ...] = (
     ),
     SchemaCase(
         "ref-recursion",
-        "Write a family tree of one parent with two children as JSON.",
+        "Write the arithmetic expression 1 + 2 * 3 as a JSON tree.",
         {
             "$defs": {
-                "node": {
-                    "type": "object",
-                    "properties": {
-                        "name": {"type": "string", "maxLength": 8},
-                        "children": {
-                            "type": "array",
-                            "items": {"$ref": "#/$defs/node"},
-                            "maxItems": 2,
-                        },
-                    },
-                    "required": ["name"],
+                "expr": {
+                    "anyOf": [
+                        _DIGIT,
+                        _obj(
+                            op={"enum": ["+", "*"]},
+                            args={
+                                "type": "array",
+                                "items": {"$ref": "#/$defs/expr"},
+                                "minItems": 2,
+                                "maxItems": 2,
+                            },
+                        ),
+                    ]
                 }
             },
-            "$ref": "#/$defs/node",
+            "$ref": "#/$defs/expr",
         },
         max_tokens=64,
     ),
@@ -389,7 +391,13 @@ def refused_keyword(schema: Mapping[str, Any], error: str) -> str | None:
 
 def schema_errors(schema: Mapping[str, Any], text: str) -> list[str]:
     """Why `text` is not a JSON document valid under `schema` (empty when it is)."""
-    import jsonschema
+    try:
+        import jsonschema
+    except ImportError:
+        raise GrammarConformanceError(
+            "the grammar conformance check validates with the jsonschema library: "
+            "pip install jsonschema (or tandem[test])"
+        ) from None
 
     try:
         value = json.loads(text)

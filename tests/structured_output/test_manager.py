@@ -134,6 +134,28 @@ def test_async_placeholder_rows_use_the_workers_kept_drafts_padded_with_zero(
     assert 0 not in first
 
 
+def test_preemption_keeps_the_matcher_and_forgets_the_workers_drafts(
+    smollm2_config: EngineConfig, tokenizer: Any
+) -> None:
+    """A preempted request resumes mid-grammar: its matcher stays at the confirmed prefix;
+    its mirrored drafts go (the worker drops them), so placeholder rows pad with 0."""
+    manager = make_manager(smollm2_config)
+    request = constrained("r", regex="[0-9]+")
+    manager.add_request(request)
+    wait_ready(manager, request)
+    one, two = tokenizer.encode("1")[0], tokenizer.encode("2")[0]
+    request.all_token_ids.append(one)
+    kept = ModelRunnerOutput(req_ids=["r"], kept_draft_token_ids={"r": [two]})
+    manager.update_from_output(step(["r"]), kept)
+    preempting = SchedulerOutput(step_id=2, preempted_req_ids={"r"})
+    manager.update_from_output(preempting, ModelRunnerOutput())
+    state = manager._states["r"]
+    assert (state.num_consumed, state.drafts) == (1, [])
+    assert manager.num_preempted_mid_grammar == 1
+    bitmask = manager.grammar_bitmask(step(["r"], {"r": [-1]}))
+    assert bitmask is not None and bool((bitmask[1] == -1).all())  # padding 0: rejected
+
+
 def test_matcher_follows_the_confirmed_prefix_and_terminates(
     smollm2_config: EngineConfig, tokenizer: Any
 ) -> None:

@@ -87,10 +87,12 @@ def run_tandem(
         SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs
     ]
     llm.generate(
-        [reqs[0]["prompt_token_ids"][:16]], SamplingParams(temperature=0, max_tokens=4)
+        [reqs[0]["prompt_token_ids"][:16]],
+        SamplingParams(temperature=0, max_tokens=4),
+        use_tqdm=False,
     )  # warm up
     start = time.perf_counter()
-    outs = llm.generate([r["prompt_token_ids"] for r in reqs], params)
+    outs = llm.generate([r["prompt_token_ids"] for r in reqs], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     ttft = [

@@ -19,7 +19,7 @@ from tandem.core.output_processor import OutputProcessor
 from tandem.core.outputs import CompletionOutput, RequestOutput
 from tandem.core.request import Request, RequestRejectedError
 from tandem.core.resolve import resolve_config
-from tandem.core.sampling_params import SEED_MAX, SamplingParams, SamplingParamsError
+from tandem.core.sampling_params import SamplingParams, SamplingParamsError
 
 PromptType = str | Sequence[int] | dict[str, Any]
 #: `use_tqdm`: True (tqdm's bar), False, or a callable that makes the bar (vLLM's shape,
@@ -151,11 +151,8 @@ class LLM:
         priority: int,
     ) -> None:
         """Add one sequence. Its prompt is cut to the last `truncate_prompt_tokens` tokens
-        (-1: `max_model_len - 1`, leaving one position for output); a seed past 2**64 - 1
-        (child j of an `n > 1` request gets seed + j) wraps modulo 2**64."""
+        (-1: `max_model_len - 1`, leaving one position for output)."""
         params = self._bad_words_token_ids(params)
-        if params.seed is not None and params.seed > SEED_MAX:
-            params = params.model_copy(update={"seed": params.seed % (SEED_MAX + 1)})
         keep = params.truncate_prompt_tokens
         if keep is not None:
             keep = self.config.max_model_len - 1 if keep == -1 else keep
@@ -196,7 +193,7 @@ class LLM:
         default), none (False), or a callable that makes a tqdm-like bar. `priority`: one
         integer per prompt (lower is served first under `scheduling_policy: priority`).
         `n > 1` runs n sequences that share the prompt's KV through prefix caching (seeded:
-        sequence j uses seed + j).
+        sequence j uses (seed + j) mod 2**64).
 
         Bad input raises ValueError naming the argument (`prompts[2]`, `priority`,
         `sampling_params[1].temperature`) before anything runs; requests already added for
@@ -222,11 +219,7 @@ class LLM:
                 children = [f"{group_id}-{j}" for j in range(p.n)] if p.n > 1 else [group_id]
                 groups.append((group_id, children))
                 for j, rid in enumerate(children):
-                    child = p
-                    if p.n > 1:
-                        seed = None if p.seed is None else p.seed + j
-                        child = p.model_copy(update={"n": 1, "seed": seed})
-                    self._add(rid, text, token_ids, child, prio)
+                    self._add(rid, text, token_ids, p.child(j) if p.n > 1 else p, prio)
         except Exception:
             added = [
                 rid

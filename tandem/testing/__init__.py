@@ -1,7 +1,9 @@
 """Test kit for tandem and its plugin authors: the scripted model, engine builders, the
 reference output of the scripted model, the invariant checker, and the scheduler plugin
 conformance suite (`tandem.testing.conformance`: `run_conformance(NAME)`, or
-`pytest -p tandem --tandem-conformance NAME`).
+`pytest -p tandem --tandem-conformance NAME`), and the grammar-backend conformance check
+(`run_grammar_conformance(BACKEND)`, or `pytest -p tandem --tandem-grammar-conformance
+BACKEND`).
 
 Also a pytest plugin (registered under `pytest11`) providing fixtures; see
 `tandem.testing.pytest_plugin`.
@@ -25,11 +27,18 @@ from tandem.testing.engine import (
     make_scripted_engine,
     scripted_config,
 )
+from tandem.testing.grammar_conformance import (
+    GrammarConformanceError,
+    GrammarConformanceReport,
+    run_grammar_conformance,
+)
 
 __all__ = [
     "CHECKS",
     "ConformanceError",
     "ConformanceReport",
+    "GrammarConformanceError",
+    "GrammarConformanceReport",
     "InvariantViolation",
     "ScriptedModel",
     "check_conformance",
@@ -41,6 +50,7 @@ __all__ = [
     "make_scripted_engine",
     "reference_outputs",
     "run_conformance",
+    "run_grammar_conformance",
     "scripted_config",
     "scripted_next_token",
 ]

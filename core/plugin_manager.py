@@ -222,11 +222,6 @@ def resolve_stack(config: EngineConfig, source: str = "<config>") -> list[tuple[
                 "that applies grammar bitmasks (`applies_grammar_bitmask = True`), but "
                 + (f"{samplers[0]} does not" if samplers else "the stack has no sampler")
             )
-    if not any("sample" in implemented_hooks(cls) for _, cls in resolved):
-        raise PluginConfigError(
-            f"{source}: plugins: the stack has no sampler (no plugin implements `sample`); "
-            "add 'default-sampler'"
-        )
     if config.scheduler.async_scheduling and "async-layer" not in roles:
         index = next(
             i for i, (_, c) in enumerate(resolved) if getattr(c, "role", None) == "scheduler"
@@ -289,6 +284,12 @@ class TandemPluginManager(pluggy.PluginManager):
             # A plugin may appear twice in a stack (with different options).
             name = spec.name if spec.name not in dict(instances) else f"{spec.name}#{i}"
             instances.append((name, instance))
+        if not any("sample" in implemented_hooks(cls) for _, cls in resolved):
+            # After every plugin's options were checked: those errors are more specific.
+            raise PluginConfigError(
+                f"{source}: plugins: the stack has no sampler (no plugin implements "
+                "`sample`); add 'default-sampler'"
+            )
         for name, instance in reversed(instances):
             try:
                 self.register(instance, name=name)

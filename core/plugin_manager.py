@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import sys
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, ClassVar
@@ -65,10 +67,38 @@ class PluginInfo:
     version: str
 
 
+_scan: tuple[tuple[tuple[str, int, int], ...], tuple[metadata.EntryPoint, ...]] | None = None
+
+
+def _path_state() -> tuple[tuple[str, int, int], ...]:
+    """`sys.path` with each directory's mtime and link count: installing or removing a
+    distribution adds or removes a directory entry, which changes both (the link count
+    even within one tick of the file system's clock)."""
+    state = []
+    for entry in sys.path:
+        try:
+            st = os.stat(entry or ".")
+            state.append((entry, st.st_mtime_ns, st.st_nlink))
+        except OSError:
+            state.append((entry, -1, -1))
+    return tuple(state)
+
+
+def plugin_entry_points() -> tuple[metadata.EntryPoint, ...]:
+    """The entry points of the group `tandem.plugins`. Scanning every installed
+    distribution is slow (resolving one stack asks many times), so the scan is kept until
+    `sys.path` or one of its directories changes."""
+    global _scan
+    state = _path_state()
+    if _scan is None or _scan[0] != state:
+        _scan = (state, tuple(metadata.entry_points(group=ENTRY_POINT_GROUP)))
+    return _scan[1]
+
+
 def discover_plugins() -> dict[str, PluginInfo]:
     """Every plugin installed under the entry-point group, by name (not imported)."""
     found: dict[str, PluginInfo] = {}
-    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+    for ep in plugin_entry_points():
         dist = getattr(ep, "dist", None)
         found[ep.name] = PluginInfo(
             name=ep.name,
@@ -85,7 +115,7 @@ def load_plugin_class(name: str, where: str = "plugins") -> type:
     Anything a plugin raises while importing, `SystemExit` included (a plugin module that
     calls `sys.exit`), becomes a `PluginConfigError`: one broken plugin must not end the
     process that merely looked at it. Only `KeyboardInterrupt` passes through."""
-    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP, name=name):
+    for ep in (ep for ep in plugin_entry_points() if ep.name == name):
         try:
             return ep.load()
         except KeyboardInterrupt:

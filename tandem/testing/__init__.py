@@ -25,6 +25,7 @@ from tandem.testing.engine import (
     expected_scripted_output,
     make_request,
     make_scripted_engine,
+    make_scripted_llm,
     scripted_config,
 )
 from tandem.testing.grammar_conformance import (
@@ -48,6 +49,7 @@ __all__ = [
     "ledger_trace",
     "make_request",
     "make_scripted_engine",
+    "make_scripted_llm",
     "reference_outputs",
     "run_conformance",
     "run_grammar_conformance",

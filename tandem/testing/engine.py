@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.core.config import EngineConfig, load_config
 from tandem.core.engine_core import EngineCore
@@ -13,6 +13,19 @@ from tandem.core.resolve import resolve_config
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.worker.scripted_model import scripted_next_token
 
+if TYPE_CHECKING:
+    from tandem.llm import LLM
+
+
+#: The scripted engines' defaults: small, synchronous, invariants checked every step.
+SCRIPTED_DEFAULTS: dict[str, Any] = {
+    "model": "scripted",
+    "max_model_len": 256,
+    "block_size": 4,
+    "check_invariants": True,
+    "async_scheduling": False,
+}
+
 
 def scripted_config(**overrides: Any) -> EngineConfig:
     """A resolved config for the scripted model with invariant checks on.
@@ -20,15 +33,14 @@ def scripted_config(**overrides: Any) -> EngineConfig:
     Defaults are small (vocab 128, max_model_len 256, block_size 4); keywords override any
     field by name, e.g. `num_kv_blocks=16, async_scheduling=True`.
     """
-    settings: dict[str, Any] = {
-        "model": "scripted",
-        "max_model_len": 256,
-        "block_size": 4,
-        "check_invariants": True,
-        "async_scheduling": False,
-    }
-    settings.update(overrides)
-    return resolve_config(load_config(None, **settings))
+    return resolve_config(load_config(None, **{**SCRIPTED_DEFAULTS, **overrides}))
+
+
+def make_scripted_llm(**overrides: Any) -> LLM:
+    """An `LLM` on the scripted model, with `scripted_config`'s defaults and overrides."""
+    from tandem.llm import LLM
+
+    return LLM(**{**SCRIPTED_DEFAULTS, **overrides})
 
 
 def make_scripted_engine(executor: Executor | None = None, **overrides: Any) -> EngineCore:

@@ -21,6 +21,7 @@ from tandem.core.outputs import Logprob, RequestOutput
 from tandem.core.sampling_params import RequestOutputKind, SamplingParams
 from tandem.core.worker.scripted_model import scripted_logits, scripted_next_token
 from tandem.llm import LLM
+from tandem.testing.engine import make_scripted_llm
 
 VOCAB = 64
 EOS = 1
@@ -46,17 +47,7 @@ class CharTokenizer:
 
 
 def scripted_llm(tokenizer: bool = True, **overrides: Any) -> LLM:
-    settings: dict[str, Any] = {
-        "model": "scripted",
-        "vocab_size": VOCAB,
-        "eos_token_id": EOS,
-        "max_model_len": 256,
-        "block_size": 4,
-        "check_invariants": True,
-        "async_scheduling": False,
-    }
-    settings.update(overrides)
-    llm = LLM(**settings)
+    llm = make_scripted_llm(**{"vocab_size": VOCAB, "eos_token_id": EOS, **overrides})
     if tokenizer:
         llm.output_processor.tokenizer = CharTokenizer()
     return llm

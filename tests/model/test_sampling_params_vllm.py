@@ -27,24 +27,19 @@ from tandem.core.worker.input_batch import InputBatch, seed_as_int64
 from tandem.core.worker.sampling_metadata import SamplingMetadata
 from tandem.llm import LLM
 from tandem.plugins.default_sampler import DefaultSampler
-from tandem.testing.engine import collect_outputs, make_request, make_scripted_engine
+from tandem.testing.engine import (
+    collect_outputs,
+    make_request,
+    make_scripted_engine,
+    make_scripted_llm,
+)
 
 VOCAB = 64
 EOS = 1
 
 
 def scripted_llm(**overrides: Any) -> LLM:
-    settings: dict[str, Any] = {
-        "model": "scripted",
-        "vocab_size": VOCAB,
-        "eos_token_id": EOS,
-        "max_model_len": 256,
-        "block_size": 4,
-        "check_invariants": True,
-        "async_scheduling": False,
-    }
-    settings.update(overrides)
-    return LLM(**settings)
+    return make_scripted_llm(**{"vocab_size": VOCAB, "eos_token_id": EOS, **overrides})
 
 
 def generate(llm: LLM, prompts: list[list[int]], params: Any) -> list[Any]:

@@ -111,9 +111,7 @@ class EngineCore:
                 f"request {request.request_id}: prompt_token_ids: token id {bad} is "
                 f"outside the vocabulary [0, {self.vocab_size})"
             )
-        validate_for_model(
-            request.sampling_params, self.vocab_size, self.config.model.max_logprobs
-        )
+        validate_for_model(request.sampling_params, self.vocab_size, self.config.model.max_logprobs)
         if request.use_structured_output and not self.plugin_manager.plugins_with_role("grammar"):
             raise RequestRejectedError(
                 f"request {request.request_id}: structured_outputs: this engine's stack has no "

@@ -583,8 +583,8 @@ class _Walker:
             if step != step.to_integral_value():
                 raise self.refuse(child(path, "multipleOf"), f" ({m!r} is not an integer)")
             t, m = "integer", int(step)
-        lo, lo_excl, lo_key = _lower(s, path)
-        hi, hi_excl, hi_key = _upper(s, path)
+        lo, lo_excl, lo_key = _bound(s, path, upper=False)
+        hi, hi_excl, hi_key = _bound(s, path, upper=True)
         if t == "integer":
             ilo = None if lo is None else (math.floor(lo) + 1 if lo_excl else math.ceil(lo))
             ihi = None if hi is None else (math.ceil(hi) - 1 if hi_excl else math.floor(hi))
@@ -889,24 +889,15 @@ def _normalize_drafts(schema: dict[str, Any]) -> dict[str, Any]:
     return s
 
 
-def _lower(s: dict[str, Any], path: str) -> tuple[Decimal | None, bool, str]:
-    """The tightest lower bound: (value, exclusive, keyword)."""
-    best: tuple[Decimal | None, bool, str] = (None, False, "minimum")
-    for key, exclusive in (("minimum", False), ("exclusiveMinimum", True)):
+def _bound(s: dict[str, Any], path: str, upper: bool) -> tuple[Decimal | None, bool, str]:
+    """The tightest lower (or upper) bound: (value, exclusive, keyword)."""
+    keys = ("maximum", "exclusiveMaximum") if upper else ("minimum", "exclusiveMinimum")
+    best: tuple[Decimal | None, bool, str] = (None, False, keys[0])
+    for key, exclusive in zip(keys, (False, True), strict=True):
         if key in s:
             value = _number(s[key], child(path, key))
-            if best[0] is None or value > best[0] or value == best[0] and exclusive:
-                best = (value, exclusive, key)
-    return best
-
-
-def _upper(s: dict[str, Any], path: str) -> tuple[Decimal | None, bool, str]:
-    """The tightest upper bound: (value, exclusive, keyword)."""
-    best: tuple[Decimal | None, bool, str] = (None, False, "maximum")
-    for key, exclusive in (("maximum", False), ("exclusiveMaximum", True)):
-        if key in s:
-            value = _number(s[key], child(path, key))
-            if best[0] is None or value < best[0] or value == best[0] and exclusive:
+            tighter = best[0] is None or (value < best[0] if upper else value > best[0])
+            if tighter or value == best[0] and exclusive:
                 best = (value, exclusive, key)
     return best
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from tandem.core.sampling_params import format_validation_error
+from tandem.sampling_params import format_validation_error
 
 logger = logging.getLogger("tandem.config")
 

@@ -25,10 +25,10 @@ from tandem.core.model_runner_output import ModelRunnerOutput, resolve_output
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.plugin_manager import TandemPluginManager
 from tandem.core.request import Request, RequestRejectedError, RequestStatus
-from tandem.core.sampling_params import SamplingParams, validate_for_model
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.scheduler_state import SchedulerState
 from tandem.core.step_trace import StepTracer
+from tandem.sampling_params import SamplingParams, validate_for_model
 
 logger = logging.getLogger("tandem.engine")
 

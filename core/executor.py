@@ -69,11 +69,11 @@ EXECUTORS: dict[str, type[Executor]] = {"inprocess": InProcessExecutor}
 def executor_class(name: str) -> type[Executor] | None:
     """The executor registered under `name` (thread and process load on first use)."""
     if name in ("thread", "process") and name not in EXECUTORS:
-        from tandem.core.worker_executors import ProcessExecutor, ThreadExecutor
+        from tandem.core.worker.executors import ProcessExecutor, ThreadExecutor
 
         EXECUTORS.update(thread=ThreadExecutor, process=ProcessExecutor)
     if name == "simulated" and name not in EXECUTORS:
-        from tandem.core.simulated_executor import SimulatedExecutor
+        from tandem.core.worker.simulated_executor import SimulatedExecutor
 
         EXECUTORS["simulated"] = SimulatedExecutor
     return EXECUTORS.get(name)

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tandem.core.config import ConfigError, EngineConfig, PluginSpec, with_line
 from tandem.core.hookspecs import PROJECT, EngineHookSpecs, WorkerHookSpecs
-from tandem.core.sampling_params import format_validation_error
+from tandem.sampling_params import format_validation_error
 
 logger = logging.getLogger("tandem.plugins")
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tandem.core.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 
 
 class RequestRejectedError(ValueError):

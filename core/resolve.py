@@ -112,8 +112,8 @@ def _resolve_real_model(config: EngineConfig) -> None:
     """Fill vocabulary, EOS, max_model_len and the KV pool size from the model's files."""
     import torch
 
-    from tandem.core.model_files import load_hf_config, resolve_model_dir
     from tandem.core.worker.hf_model import kv_bytes_per_token, resolve_dtype
+    from tandem.core.worker.model_files import load_hf_config, resolve_model_dir
 
     model = config.model
     model_dir = resolve_model_dir(model.model, allow_download=model.allow_download)

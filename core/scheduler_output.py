@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.core.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -140,7 +140,7 @@ TEMPLATES = [
 
 
 def default_output_dir() -> Path:
-    from tandem.core.model_files import cache_root
+    from tandem.core.worker.model_files import cache_root
 
     return cache_root() / "eagle" / "smollm2-135m-instruct"
 
@@ -179,7 +179,7 @@ def make_llm(speculative: dict[str, Any] | None = None, **kw: Any) -> Any:
 def generate(
     llm: Any, prompt_ids: list[list[int]], max_tokens: int
 ) -> tuple[list[list[int]], float]:
-    from tandem.core.sampling_params import SamplingParams
+    from tandem.sampling_params import SamplingParams
 
     start = time.perf_counter()
     outs = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
@@ -391,7 +391,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from tandem.core.model_files import load_tokenizer, resolve_model_dir
+    from tandem.core.worker.model_files import load_tokenizer, resolve_model_dir
     from tandem.spec_decode.eagle_head import save_eagle_head
 
     model_dir = resolve_model_dir("default")

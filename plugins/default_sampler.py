@@ -24,8 +24,8 @@ import torch
 from tandem.core import hookimpl
 from tandem.core.model_runner_output import SamplerOutput
 from tandem.core.plugin_manager import TandemPlugin
-from tandem.core.sampling_params import SAMPLING_EPS
 from tandem.core.worker.sampling_metadata import SamplingMetadata
+from tandem.sampling_params import SAMPLING_EPS
 from tandem.spec_decode.rejection_sampler import rejection_sample
 
 _MASK53 = (1 << 53) - 1

@@ -24,10 +24,10 @@ from tandem.core.plugin_manager import TandemPlugin
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tandem.core.scheduler_state import SchedulerState
-from tandem.core.stop import check_stop
 from tandem.kv import KVCacheManager
 from tandem.plugins.request_queue import make_queue
 from tandem.plugins.spec_metrics import SpecDecodeMetrics
+from tandem.plugins.stop_check import check_stop
 
 
 class ReferenceScheduler(TandemPlugin):

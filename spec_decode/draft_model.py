@@ -55,9 +55,9 @@ class DraftModelDrafter:
         self.model: Any = None
 
     def _setup(self, target: Any) -> Any:
-        from tandem.core.model_files import resolve_model_dir
         from tandem.core.worker.cpu_kernels import paged_decode_kernel
         from tandem.core.worker.hf_model import HFStepModel
+        from tandem.core.worker.model_files import resolve_model_dir
 
         device = target.device
         weights = getattr(getattr(target, "model", None), "dtype", None)

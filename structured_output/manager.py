@@ -62,7 +62,6 @@ from tandem.core.outputs import PluginFinish
 from tandem.core.plugin_manager import PluginConfigError, TandemPlugin
 from tandem.core.request import Request, RequestRejectedError, RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput
-from tandem.core.structured_outputs import StructuredOutputsParams
 from tandem.structured_output.backend import (
     AUTO_ORDER,
     BACKEND_NAMES,
@@ -71,6 +70,7 @@ from tandem.structured_output.backend import (
     allocate_bitmask,
 )
 from tandem.structured_output.compile_pool import CompilePool
+from tandem.structured_outputs import StructuredOutputsParams
 
 #: Longest wait for a compile at a drain point after a step that scheduled nothing.
 IDLE_WAIT_S = 0.005
@@ -146,7 +146,7 @@ class StructuredOutputManager(TandemPlugin):
         backend = self._backends.get(name)
         if backend is None:
             if self._tokenizer is None:
-                from tandem.core.model_files import load_tokenizer
+                from tandem.core.worker.model_files import load_tokenizer
 
                 model = self.config.model
                 self._tokenizer = load_tokenizer(Path(model.tokenizer or model.model))

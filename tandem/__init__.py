@@ -12,18 +12,18 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tandem.core.config import EngineConfig, load_config
-    from tandem.core.outputs import CompletionOutput, RequestOutput
-    from tandem.core.sampling_params import SamplingParams
     from tandem.llm import LLM
+    from tandem.outputs import CompletionOutput, RequestOutput
+    from tandem.sampling_params import SamplingParams
 
 #: Public name -> defining module. Imported on first use (PEP 562), so `import tandem` and
 #: the CLI's parser stay light: torch and transformers load when a model does.
 _LAZY = {
     "LLM": "tandem.llm",
-    "CompletionOutput": "tandem.core.outputs",
+    "CompletionOutput": "tandem.outputs",
     "EngineConfig": "tandem.core.config",
-    "RequestOutput": "tandem.core.outputs",
-    "SamplingParams": "tandem.core.sampling_params",
+    "RequestOutput": "tandem.outputs",
+    "SamplingParams": "tandem.sampling_params",
     "load_config": "tandem.core.config",
 }
 

@@ -15,11 +15,11 @@ import numpy as np
 from tandem.core.config import ConfigError, EngineConfig, load_config
 from tandem.core.engine_core import EngineCore
 from tandem.core.executor import executor_class
-from tandem.core.output_processor import OutputProcessor
-from tandem.core.outputs import CompletionOutput, RequestOutput
 from tandem.core.request import Request, RequestRejectedError
 from tandem.core.resolve import resolve_config
-from tandem.core.sampling_params import SamplingParams, SamplingParamsError
+from tandem.output_processor import OutputProcessor
+from tandem.outputs import CompletionOutput, RequestOutput
+from tandem.sampling_params import SamplingParams, SamplingParamsError
 
 PromptType = str | Sequence[int] | dict[str, Any]
 #: `use_tqdm`: True (tqdm's bar), False, or a callable that makes the bar (vLLM's shape,
@@ -59,7 +59,7 @@ class LLM:
         self.engine = EngineCore(self.config, source=source)
         self.tokenizer = None
         if self.config.model.model != "scripted":
-            from tandem.core.model_files import load_tokenizer
+            from tandem.core.worker.model_files import load_tokenizer
 
             self.tokenizer = load_tokenizer(Path(self.config.model.model))
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -80,7 +80,7 @@ class LLM:
         return SamplingParams(**self._generation_defaults)
 
     def _load_generation_defaults(self) -> dict[str, Any]:
-        from tandem.core.model_files import generation_defaults
+        from tandem.core.worker.model_files import generation_defaults
 
         choice = self.config.model.generation_config
         if choice == "vllm" or (choice == "auto" and self.config.model.model == "scripted"):

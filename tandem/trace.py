@@ -37,8 +37,8 @@ def record(
     """Run `requests` scripted requests on the simulated device with engine tracing on;
     return the tracer (engine and device spans) and the run's figures."""
     from tandem.core.request import Request
-    from tandem.core.sampling_params import SamplingParams
     from tandem.core.step_trace import Span, StepTracer
+    from tandem.sampling_params import SamplingParams
     from tandem.testing import make_scripted_engine
 
     max_len = prompt + output + 16

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.core.model_files import cache_root
+from tandem.core.worker.model_files import cache_root
 
 logger = logging.getLogger("tandem.worker")
 

@@ -54,7 +54,7 @@ class HFStepModel:
         laid out for it, transposed per block."""
         from transformers import AutoModelForCausalLM
 
-        from tandem.core.model_files import quiet_loading
+        from tandem.core.worker.model_files import quiet_loading
 
         self.device = device
         self.block_size = block_size

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.core.sampling_params import SAMPLING_EPS, SEED_MAX, SamplingParams
+from tandem.sampling_params import SAMPLING_EPS, SEED_MAX, SamplingParams
 
 #: The largest float32: a temperature above it would become inf in the tensor (and
 #: -inf / inf is NaN, which would let a blocked token through).

@@ -23,9 +23,9 @@ def load_step_model(config: EngineConfig) -> StepModel:
         )
     import torch
 
-    from tandem.core.model_files import resolve_model_dir
     from tandem.core.worker.cpu_kernels import paged_decode_kernel
     from tandem.core.worker.hf_model import HFStepModel, resolve_dtype
+    from tandem.core.worker.model_files import resolve_model_dir
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(config.model.dtype, device)

@@ -18,19 +18,21 @@ import torch
 from tandem.core.model_runner_output import (
     AsyncModelRunnerOutput,
     ModelRunnerOutput,
-    PromptLogprobChunk,
     SamplerOutput,
     TokenLogprobs,
-    logprobs_per_request,
-    prompt_logprob_chunk,
 )
-from tandem.core.sampling_params import SamplingParams, num_logprobs
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.draft_context import DraftContext
 from tandem.core.worker.flat_batch import FlatBatch, build_flat_batch
 from tandem.core.worker.input_batch import InputBatch
+from tandem.core.worker.logprobs import (
+    PromptLogprobChunk,
+    logprobs_per_request,
+    prompt_logprob_chunk,
+)
 from tandem.core.worker.sample_isolation import sample_isolating_failures
 from tandem.core.worker.sampling_metadata import SamplingMetadata
+from tandem.sampling_params import SamplingParams, num_logprobs
 
 
 class StepModel(Protocol):

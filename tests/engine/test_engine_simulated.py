@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tandem.core.config import SimulatedDeviceConfig
-from tandem.core.sampling_params import SamplingParams
-from tandem.core.simulated_executor import SimulatedExecutor, modelled_step_seconds
+from tandem.core.worker.simulated_executor import SimulatedExecutor, modelled_step_seconds
+from tandem.sampling_params import SamplingParams
 from tandem.testing import (
     collect_outputs,
     expected_scripted_output,
@@ -57,7 +57,7 @@ def test_cost_model_is_the_slower_of_compute_and_memory() -> None:
 
 def test_simulated_executor_refuses_a_real_model() -> None:
     from tandem.core.config import ConfigError, load_config
-    from tandem.core.simulated_executor import SimulatedExecutor as Sim
+    from tandem.core.worker.simulated_executor import SimulatedExecutor as Sim
 
     config = load_config(None, model="/nonexistent", executor="simulated")
     with pytest.raises(ConfigError, match="scripted"):

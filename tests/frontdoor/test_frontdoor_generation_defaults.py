@@ -14,7 +14,7 @@ import pytest
 
 from tandem import LLM, SamplingParams
 from tandem.core.config import ConfigError
-from tandem.core.model_files import (
+from tandem.core.worker.model_files import (
     EMBEDDED_DEFAULTS_MARKER,
     EMBEDDED_DEFAULTS_VERSION,
     ensure_embedded_generation_config,

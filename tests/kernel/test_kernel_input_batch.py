@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tandem.core.sampling_params import SamplingParams
 from tandem.core.worker.input_batch import InputBatch
+from tandem.sampling_params import SamplingParams
 
 
 def _params(t: float) -> SamplingParams:

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from tandem.core.config import ConfigError
-from tandem.core.sampling_params import SamplingParams
 from tandem.llm import LLM
+from tandem.sampling_params import SamplingParams
 
 
 @pytest.fixture

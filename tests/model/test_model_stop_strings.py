@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from tandem.core.detokenizer import IncrementalDetokenizer
-from tandem.core.sampling_params import SamplingParams
+from tandem.detokenizer import IncrementalDetokenizer
+from tandem.sampling_params import SamplingParams
 
 ASCII = "The quick brown fox jumps over the lazy dog."
 MULTIBYTE = "日本語のテキスト 🎉 café ñandú"

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.core.detokenizer import IncrementalDetokenizer
-from tandem.core.outputs import Logprob, RequestOutput
-from tandem.core.sampling_params import RequestOutputKind, SamplingParams
 from tandem.core.worker.scripted_model import scripted_logits, scripted_next_token
+from tandem.detokenizer import IncrementalDetokenizer
 from tandem.llm import LLM
+from tandem.outputs import Logprob, RequestOutput
+from tandem.sampling_params import RequestOutputKind, SamplingParams
 from tandem.testing.engine import make_scripted_llm
 
 VOCAB = 64

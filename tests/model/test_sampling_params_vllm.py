@@ -14,7 +14,11 @@ import pytest
 import torch
 
 from tandem.core.config import load_config
-from tandem.core.sampling_params import (
+from tandem.core.worker.input_batch import InputBatch, seed_as_int64
+from tandem.core.worker.sampling_metadata import SamplingMetadata
+from tandem.llm import LLM
+from tandem.plugins.default_sampler import DefaultSampler
+from tandem.sampling_params import (
     DEFAULT_MAX_LOGPROBS,
     MAX_N,
     SAMPLING_EPS,
@@ -23,10 +27,6 @@ from tandem.core.sampling_params import (
     SamplingParamsError,
     validate_for_model,
 )
-from tandem.core.worker.input_batch import InputBatch, seed_as_int64
-from tandem.core.worker.sampling_metadata import SamplingMetadata
-from tandem.llm import LLM
-from tandem.plugins.default_sampler import DefaultSampler
 from tandem.testing.engine import (
     collect_outputs,
     make_request,

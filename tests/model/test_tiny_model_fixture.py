@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tandem.core.sampling_params import SamplingParams
 from tandem.llm import LLM
+from tandem.sampling_params import SamplingParams
 from tandem.testing.tiny_model import TINY_VOCAB
 
 

@@ -15,7 +15,7 @@ from tandem.core.config import ConfigError, load_config
 from tandem.core.engine_core import EngineCore
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.resolve import resolve_config
-from tandem.core.sampling_params import SamplingParams, SamplingParamsError
+from tandem.sampling_params import SamplingParams, SamplingParamsError
 from tandem.testing import (
     collect_outputs,
     expected_scripted_output,

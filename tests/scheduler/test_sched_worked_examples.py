@@ -16,9 +16,9 @@ from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.plugin_manager import TandemPluginManager
 from tandem.core.request import Request, RequestStatus
-from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.plugins.reference_scheduler import ReferenceScheduler
+from tandem.sampling_params import SamplingParams
 from tandem.testing import (
     collect_outputs,
     expected_scripted_output,

@@ -121,8 +121,8 @@ def test_missing_model_is_a_config_error(tiny_llama: Path) -> None:
 
 
 def test_smollm2_as_its_own_drafter_sync_and_async(smollm2_dir: Path) -> None:
-    from tandem.core.sampling_params import SamplingParams
     from tandem.llm import LLM
+    from tandem.sampling_params import SamplingParams
 
     prompt = "Once upon a time, in a small village by the sea,"
     settings: dict[str, Any] = {

@@ -323,8 +323,8 @@ def test_missing_head_directory_is_a_config_error(tiny_llama: Path, tmp_path: Pa
 def test_smollm2_random_head_keeps_greedy_outputs_sync_and_async(
     smollm2_dir: Path, tmp_path: Path
 ) -> None:
-    from tandem.core.sampling_params import SamplingParams
     from tandem.llm import LLM
+    from tandem.sampling_params import SamplingParams
 
     head = save_random_eagle_head(smollm2_dir, tmp_path / "head", intermediate_size=256)
     prompts = ["The capital of France is"]

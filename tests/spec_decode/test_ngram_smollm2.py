@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.core.outputs import EngineCoreOutput, RequestOutput
+from tandem.core.outputs import EngineCoreOutput
+from tandem.outputs import RequestOutput
 
 PASSAGE = (
     "The old lighthouse stood on the rocky cliff above the harbour. Every night its keeper "

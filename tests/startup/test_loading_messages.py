@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.core import model_files
+from tandem.core.worker import model_files
 
 
 class _StopConversion(RuntimeError):

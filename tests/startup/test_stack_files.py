@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tandem.core.config import ConfigError, load_config
-from tandem.core.model_files import cache_root
+from tandem.core.worker.model_files import cache_root
 
 STACKS = Path(__file__).resolve().parents[2] / "examples" / "stacks"
 

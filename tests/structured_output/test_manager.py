@@ -17,9 +17,9 @@ from tandem.core.config import EngineConfig
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.request import Request, RequestRejectedError
 from tandem.core.scheduler_output import SchedulerOutput
-from tandem.core.structured_outputs import StructuredOutputsParams
 from tandem.structured_output.backend import allocate_bitmask
 from tandem.structured_output.manager import StructuredOutputManager
+from tandem.structured_outputs import StructuredOutputsParams
 
 VOCAB = 49152
 

@@ -14,7 +14,7 @@ import pytest
 from so_helpers import BACKENDS, EOS
 
 from tandem.core.request import RequestRejectedError
-from tandem.core.structured_outputs import StructuredOutputsParams
+from tandem.structured_outputs import StructuredOutputsParams
 
 
 def obj(**properties: Any) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from pydantic import (
     model_validator,
 )
 
-from tandem.core.structured_outputs import StructuredOutputsParams
+from tandem.structured_outputs import StructuredOutputsParams
 
 #: Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`).
 SAMPLING_EPS = 1e-5

@@ -13,18 +13,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.core.detokenizer import IncrementalDetokenizer
-from tandem.core.outputs import (
+from tandem.core.outputs import EngineCoreOutput, TokenLogprobs
+from tandem.detokenizer import IncrementalDetokenizer
+from tandem.outputs import (
     CompletionOutput,
-    EngineCoreOutput,
     Logprob,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
     SampleLogprobs,
-    TokenLogprobs,
 )
-from tandem.core.sampling_params import RequestOutputKind, SamplingParams
+from tandem.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass(slots=True)

@@ -34,6 +34,11 @@ class EngineCoreOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def ended(cls, request_id: str, reason: str, error: str | None = None) -> EngineCoreOutput:
+        """A request that ended with no new token: aborted, failed, or stopped by a plugin."""
+        return cls(request_id=request_id, new_token_ids=[], finish_reason=reason, error=error)
+
 
 @dataclass(frozen=True, slots=True)
 class PluginFinish:

@@ -77,6 +77,7 @@ def run_tandem(
     import torch
 
     from tandem import LLM, SamplingParams
+    from tandem.plugins.tracing import tracing_of
 
     torch.set_num_threads(threads)
     llm = LLM(model=model, worker_num_threads=threads, trace_hooks=True, **overrides)
@@ -107,8 +108,8 @@ def run_tandem(
         and o.metrics.first_token_time
         and len(o.outputs[0].token_ids) > 1
     ]
-    timer = llm.engine.hook_timer
-    hooks = timer.summary(llm.engine.num_steps) if timer is not None else {}
+    tracing = tracing_of(llm.engine)  # on: trace_hooks=True above
+    hooks = tracing.summary(llm.engine.num_steps) if tracing is not None else {}
     spec_metrics = llm.spec_decode_metrics()  # includes the warm-up's few steps
     llm.shutdown()
     return {

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tandem.core.step_trace import StepTracer
+    from tandem.plugins.tracing import StepTracer
 
 MATPLOTLIB_HINT = (
     "tandem trace: drawing the timeline needs matplotlib: pip install 'tandem[trace]' "
@@ -34,10 +34,11 @@ def record(
     output: int,
     max_num_batched_tokens: int = 2048,
 ) -> tuple[StepTracer, dict[str, Any]]:
-    """Run `requests` scripted requests on the simulated device with engine tracing on;
-    return the tracer (engine and device spans) and the run's figures."""
+    """Run `requests` scripted requests on the simulated device with tracing on (the
+    `hook-tracing` plugin); return the tracer (engine, hooks and device spans) and the run's
+    figures."""
     from tandem.core.request import Request
-    from tandem.core.step_trace import Span, StepTracer
+    from tandem.plugins.tracing import Span, StepTracer, enable_tracing
     from tandem.sampling_params import SamplingParams
     from tandem.testing import make_scripted_engine
 
@@ -54,7 +55,7 @@ def record(
         num_kv_blocks=requests * (-(-max_len // 16)),
     )
     tracer = StepTracer()
-    engine.tracer = tracer
+    tracing = enable_tracing(engine, tracer)
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
     for i in range(requests):
@@ -84,7 +85,7 @@ def record(
         / max(len(device_steps), 1),
         "steps": engine.num_steps,
         "engine_calls": calls,
-        "hook_times": engine.hook_timer.summary(engine.num_steps) if engine.hook_timer else {},
+        "hook_times": tracing.summary(engine.num_steps),
     }
     engine.shutdown()
     return tracer, stats

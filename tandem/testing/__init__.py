@@ -9,8 +9,8 @@ Also a pytest plugin (registered under `pytest11`) providing fixtures; see
 `tandem.testing.pytest_plugin`.
 """
 
-from tandem.core.invariants import InvariantViolation, check_invariants
 from tandem.core.worker.scripted_model import ScriptedModel, scripted_next_token
+from tandem.plugins.invariant_checker import InvariantViolation, check_invariants
 from tandem.testing.conformance import (
     CHECKS,
     ConformanceError,

@@ -53,8 +53,8 @@ Checks (`CHECKS`), each run in both modes (`MODES`):
 
 Per step, every check verifies (a violation raises `ConformanceError` naming the rule):
 
-- the kernel's ledger and KV invariants (`tandem.core.invariants.check_invariants`; the
-  engines run with `check_invariants: true`, so the kernel also checks after every
+- the ledger and KV invariants (`tandem.plugins.invariant_checker.check_invariants`; the
+  engines run with `check_invariants: true`, so its plugin also checks after every
   `update_from_output` and raises `InvariantViolation`, which is reported here with the
   invariant, the step, the request and its ledger);
 - placeholder accounting: no output placeholders under sync scheduling; under async,
@@ -131,13 +131,13 @@ from typing import Any, Literal
 
 from tandem.core import hookimpl
 from tandem.core.engine_core import EngineCore
-from tandem.core.invariants import InvariantViolation, check_invariants
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.plugin_manager import discover_plugins
 from tandem.core.request import Request
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.scheduler_state import SchedulerState
 from tandem.core.worker.scripted_model import scripted_next_token
+from tandem.plugins.invariant_checker import InvariantViolation, check_invariants
 from tandem.testing.engine import expected_scripted_output, make_request, scripted_config
 
 Mode = Literal["sync", "async"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tandem.core.step_trace import StepTracer
+from tandem.plugins.tracing import StepTracer
 from tandem.trace import main as trace_main
 
 

@@ -1,16 +1,18 @@
-"""Per-plugin hook timing (`trace_hooks`): every implementation is timed on its own."""
+"""Per-plugin hook timing (`trace_hooks`, the `hook-tracing` plugin): every implementation is
+timed on its own."""
 
 from __future__ import annotations
 
 import pluggy
 
-from tandem.core.step_trace import StepTracer
+from tandem.plugins.tracing import StepTracer, tracing_of
 from tandem.testing import collect_outputs, make_request, make_scripted_engine
 
 
 def run(trace_hooks: bool, tracer: StepTracer | None = None):  # noqa: ANN201
     engine = make_scripted_engine(async_scheduling=True, trace_hooks=trace_hooks)
-    engine.tracer = tracer
+    if tracer is not None:
+        tracing_of(engine).tracer = tracer
     for i in range(3):
         engine.add_request(make_request(str(i), [3 + i, 4, 5], max_tokens=5, ignore_eos=True))
     outputs = collect_outputs(engine)
@@ -20,7 +22,7 @@ def run(trace_hooks: bool, tracer: StepTracer | None = None):  # noqa: ANN201
 
 def test_each_plugin_hook_pair_is_counted() -> None:
     engine = run(trace_hooks=True)
-    summary = engine.hook_timer.summary(engine.num_steps)
+    summary = tracing_of(engine).summary(engine.num_steps)
     schedule_calls = summary["reference-scheduler.schedule"]["calls"]
     assert schedule_calls >= engine.num_steps > 0
     # The scheduler and the async layer both implement update_after_schedule: timed apart,
@@ -47,7 +49,7 @@ def test_hook_calls_become_spans_on_the_hooks_lane() -> None:
 
 def test_off_by_default_and_nothing_wrapped() -> None:
     engine = run(trace_hooks=False)
-    assert engine.hook_timer is None
+    assert tracing_of(engine) is None
     caller = engine.plugin_manager.hook.schedule
     assert isinstance(caller, pluggy.HookCaller)
     assert not any(hasattr(i.function, "__wrapped__") for i in caller.get_hookimpls())

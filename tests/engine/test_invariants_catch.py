@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.core.invariants import InvariantViolation, check_invariants
+from tandem.plugins.invariant_checker import InvariantViolation, check_invariants
 from tandem.testing import make_request, make_scripted_engine
 
 

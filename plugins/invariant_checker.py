@@ -1,19 +1,34 @@
-"""Ledger and KV invariants, checked after every step in tests and switchable on in any
-engine (`check_invariants: true`).
+"""Ledger and KV invariants, checked after every step: a plugin on a pluggy wrapper hook.
+
+Turned on by the top-level config flag `check_invariants` (the kernel then attaches this
+plugin, found like any plugin by its entry-point name `invariant-checker`); a stack may also
+name it. Its `update_from_output` wrapper checks once every implementation has applied the
+step, and raises `InvariantViolation` out of that hook call (so out of the engine's step).
 
 Per request: `num_output_placeholders >= 0`, `num_computed_tokens - num_output_placeholders
 >= 0` (the safe frontier), `num_stale_output_tokens >= 0`, `num_in_flight_tokens >= 0`,
 `num_output_placeholders <= num_in_flight_tokens` (a step's returned tokens must resolve its
 placeholders), `num_computed_tokens <= num_tokens_with_spec + num_output_placeholders`, and
-every RUNNING request holds KV blocks
-for all computed tokens. KV: every block is exactly one of free, cached-and-free, held (ref
-count = holders) or waiting for a fence; when the engine is idle (no request waiting or
-running, no step in flight or deferred), every block is free.
+every RUNNING request holds KV blocks for all computed tokens. KV: every block is exactly one
+of free, cached-and-free, held (ref count = holders) or waiting for a fence; when the engine is
+idle (no request waiting or running, and the KV fence closed: every scheduled step processed,
+one whose sampling was deferred included), every block is free.
 """
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel
+
+from tandem.core import hookimpl
+from tandem.core.config import EngineConfig
+from tandem.core.plugin_manager import TandemPlugin, TandemPluginManager
 from tandem.core.scheduler_state import SchedulerState
+
+if TYPE_CHECKING:
+    from tandem.core.engine_core import EngineCore
 
 
 class InvariantViolation(AssertionError):
@@ -74,3 +89,41 @@ def check_invariants(state: SchedulerState, step: int, idle: bool) -> None:
         )
     if problems:
         raise InvariantViolation(f"after step {step}:\n" + "\n".join(problems))
+
+
+class InvariantChecker(TandemPlugin):
+    """Checks the invariants after every `update_from_output` (the engine's step count)."""
+
+    name: ClassVar[str] = "invariant-checker"
+
+    def __init__(self, config: EngineConfig, options: BaseModel) -> None:
+        super().__init__(config, options)
+        self.manager: TandemPluginManager | None = None
+        self.num_steps = 0
+
+    @classmethod
+    def attach(cls, engine: EngineCore) -> InvariantChecker:
+        """Register a checker on `engine` unless its stack already has one."""
+        manager = engine.plugin_manager
+        found = manager.get_plugin(cls.name)
+        if found is None:
+            found = cls(engine.config, cls.Options())
+            found.manager = manager
+            manager.register(found, cls.name)
+        return found
+
+    @hookimpl
+    def tandem_stack_loaded(self, manager: TandemPluginManager) -> None:
+        self.manager = manager
+
+    @hookimpl(wrapper=True)
+    def update_from_output(self) -> Generator[None, Any, Any]:
+        results = yield
+        self.num_steps += 1
+        assert self.manager is not None
+        hook = self.manager.hook
+        state: SchedulerState = hook.scheduler_state()
+        kv = state.kv_cache_manager
+        idle = not hook.has_unfinished_requests() and kv.processed_step_seq == kv.scheduled_step_seq
+        check_invariants(state, self.num_steps, idle)
+        return results

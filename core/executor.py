@@ -1,23 +1,22 @@
 """Executors: where the worker runs. `execute_model` and `sample_tokens` return futures.
 
 The kernel never waits inside an executor call: it waits on the futures, so an executor
-that runs the worker elsewhere (a thread, a process, a device) overlaps with the engine.
+that runs the worker elsewhere (a thread, a process, a device) overlaps with the engine. The
+implementations live with the worker (`tandem.core.worker.executors`, the simulated device).
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import torch
 
 from tandem.core.config import ConfigError, EngineConfig
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.scheduler_output import SchedulerOutput
-from tandem.core.worker.worker import Worker
-
-T = TypeVar("T")
 
 
 def completed(fn: Any, *args: Any) -> Future:
@@ -46,43 +45,26 @@ class Executor(ABC):
         """Release the worker's resources. Idempotent."""
 
 
-class InProcessExecutor(Executor):
-    """The worker runs in the caller's thread; futures are already resolved when returned.
-
-    Async semantics (steps queued, results consumed later) without overlap: the executor
-    the correctness tests use.
-    """
-
-    def __init__(self, config: EngineConfig, worker: Worker | None = None) -> None:
-        self.worker = worker if worker is not None else Worker(config)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[None]:
-        return completed(self.worker.execute_model, scheduler_output)
-
-    def sample_tokens(self, grammar_bitmask: torch.Tensor | None) -> Future[ModelRunnerOutput]:
-        return completed(self.worker.sample_tokens, grammar_bitmask)
-
-
-EXECUTORS: dict[str, type[Executor]] = {"inprocess": InProcessExecutor}
+#: Executors by `parallel.executor` name: where each class lives (imported on first use).
+EXECUTORS = {
+    "inprocess": "tandem.core.worker.executors:InProcessExecutor",
+    "thread": "tandem.core.worker.executors:ThreadExecutor",
+    "process": "tandem.core.worker.executors:ProcessExecutor",
+    "simulated": "tandem.core.worker.simulated_executor:SimulatedExecutor",
+}
 
 
 def executor_class(name: str) -> type[Executor] | None:
-    """The executor registered under `name` (thread and process load on first use)."""
-    if name in ("thread", "process") and name not in EXECUTORS:
-        from tandem.core.worker.executors import ProcessExecutor, ThreadExecutor
-
-        EXECUTORS.update(thread=ThreadExecutor, process=ProcessExecutor)
-    if name == "simulated" and name not in EXECUTORS:
-        from tandem.core.worker.simulated_executor import SimulatedExecutor
-
-        EXECUTORS["simulated"] = SimulatedExecutor
-    return EXECUTORS.get(name)
+    """The executor class registered under `name`, or None for an unknown name."""
+    module, _, cls = EXECUTORS.get(name, ":").partition(":")
+    return getattr(importlib.import_module(module), cls) if module else None
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    name = config.parallel.executor
-    if executor_class(name) is None:
+    cls = executor_class(config.parallel.executor)
+    if cls is None:
         raise ConfigError(
-            f"parallel.executor: {name!r} is not available; choose one of inprocess, thread, process, simulated"
+            f"parallel.executor: {config.parallel.executor!r} is not available; choose one of "
+            f"{', '.join(EXECUTORS)}"
         )
-    return EXECUTORS[name](config)
+    return cls(config)

@@ -1,9 +1,12 @@
-"""Executors that run the worker elsewhere: a background thread, or a separate OS process.
+"""The executors: the worker in the caller's thread, on a background thread, or in a
+separate OS process.
 
-Both return futures at once and resolve them in call order, so the engine's batch queue
-overlaps planning with execution. The process executor is the shape that scales out: the
-worker process rebuilds its own plugin manager and model from the (picklable) resolved
-config; only `SchedulerOutput`, bitmasks and `ModelRunnerOutput` cross the pipe.
+The thread and process executors return futures at once and resolve them in call order, so
+the engine's batch queue overlaps planning with execution. The process executor is the
+shape that scales out: the worker process rebuilds its own plugin manager and model from
+the resolved config (handed over once, at spawn); each step then crosses the pipe as typed
+messages without pickle (`tandem.core.messages`): `ExecuteModel`, `SampleTokens` out,
+`WorkerReply` or `WorkerError` back.
 """
 
 from __future__ import annotations
@@ -15,15 +18,43 @@ import traceback
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from typing import Any
 
 import torch
 
 from tandem.core.config import EngineConfig
-from tandem.core.executor import Executor
+from tandem.core.executor import Executor, completed
+from tandem.core.messages import (
+    ExecuteModel,
+    FromWorker,
+    SampleTokens,
+    Shutdown,
+    TensorData,
+    ToWorker,
+    WorkerError,
+    WorkerReply,
+    decoder,
+    encode,
+)
 from tandem.core.model_runner_output import ModelRunnerOutput, resolve_output
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.worker import Worker
+
+
+class InProcessExecutor(Executor):
+    """The worker runs in the caller's thread; futures are already resolved when returned.
+
+    Async semantics (steps queued, results consumed later) without overlap: the executor
+    the correctness tests use.
+    """
+
+    def __init__(self, config: EngineConfig, worker: Worker | None = None) -> None:
+        self.worker = worker if worker is not None else Worker(config)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[None]:
+        return completed(self.worker.execute_model, scheduler_output)
+
+    def sample_tokens(self, grammar_bitmask: torch.Tensor | None) -> Future[ModelRunnerOutput]:
+        return completed(self.worker.sample_tokens, grammar_bitmask)
 
 
 class ThreadExecutor(Executor):
@@ -51,24 +82,28 @@ def _worker_main(config: EngineConfig, conn: Connection) -> None:
     try:
         worker = Worker(config)
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        conn.send_bytes(encode(WorkerError(traceback.format_exc())))
         return
-    conn.send(("ok", None))
+    conn.send_bytes(encode(WorkerReply()))
+    messages = decoder(ToWorker)
     while True:
         try:
-            kind, payload = conn.recv()
+            message = messages.decode(conn.recv_bytes())
         except EOFError:
             return
-        if kind == "shutdown":
+        if isinstance(message, Shutdown):
             return
         try:
-            if kind == "execute":
-                result: Any = worker.execute_model(payload)
+            if isinstance(message, ExecuteModel):
+                worker.execute_model(message.scheduler_output)
+                reply = encode(WorkerReply())
             else:  # only host data crosses the pipe: wait for the copy here
-                result = resolve_output(worker.sample_tokens(payload))
-            conn.send(("ok", result))
+                bitmask = message.grammar_bitmask
+                output = worker.sample_tokens(bitmask.to_tensor() if bitmask else None)
+                reply = encode(WorkerReply(resolve_output(output)))
         except BaseException:
-            conn.send(("error", traceback.format_exc()))
+            reply = encode(WorkerError(traceback.format_exc()))
+        conn.send_bytes(reply)
 
 
 class ProcessExecutor(Executor):
@@ -82,10 +117,11 @@ class ProcessExecutor(Executor):
         )
         self.process.start()
         child.close()
-        status, detail = self._conn.recv()
-        if status != "ok":
+        self._replies = decoder(FromWorker)
+        started = self._replies.decode(self._conn.recv_bytes())
+        if isinstance(started, WorkerError):
             self.process.join(timeout=5)
-            raise WorkerProcessError(f"the worker process failed to start:\n{detail}")
+            raise WorkerProcessError(f"the worker process failed to start:\n{started.traceback}")
         self._pending: deque[Future] = deque()
         self._lock = threading.Lock()
         self._closed = False
@@ -94,27 +130,29 @@ class ProcessExecutor(Executor):
         )
         self._reader.start()
 
-    def _send(self, kind: str, payload: Any) -> Future:
+    def _send(self, message: ExecuteModel | SampleTokens) -> Future:
+        data = encode(message)
         future: Future = Future()
         with self._lock:
             if self._closed:
                 raise WorkerProcessError("the worker process has shut down")
             self._pending.append(future)
-            self._conn.send((kind, payload))
+            self._conn.send_bytes(data)
         return future
 
     def _read_loop(self) -> None:
         while True:
             try:
-                status, payload = self._conn.recv()
+                reply = self._replies.decode(self._conn.recv_bytes())
             except (EOFError, OSError):
                 break
             with self._lock:
                 future = self._pending.popleft()
-            if status == "ok":
-                future.set_result(payload)
+            if isinstance(reply, WorkerReply):
+                future.set_result(reply.output)
             else:
-                future.set_exception(WorkerProcessError(f"the worker process raised:\n{payload}"))
+                message = f"the worker process raised:\n{reply.traceback}"
+                future.set_exception(WorkerProcessError(message))
         with self._lock:
             self._closed = True
             while self._pending:
@@ -123,10 +161,11 @@ class ProcessExecutor(Executor):
                 )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[None]:
-        return self._send("execute", scheduler_output)
+        return self._send(ExecuteModel(scheduler_output))
 
     def sample_tokens(self, grammar_bitmask: torch.Tensor | None) -> Future[ModelRunnerOutput]:
-        return self._send("sample", grammar_bitmask)
+        bitmask = TensorData.of(grammar_bitmask) if grammar_bitmask is not None else None
+        return self._send(SampleTokens(bitmask))
 
     def shutdown(self) -> None:
         with self._lock:
@@ -134,7 +173,7 @@ class ProcessExecutor(Executor):
                 return
             self._closed = True
             with contextlib.suppress(OSError):
-                self._conn.send(("shutdown", None))
+                self._conn.send_bytes(encode(Shutdown()))
         self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.terminate()

@@ -44,7 +44,7 @@ import torch
 from tandem.core import hookimpl
 from tandem.core.config import EngineConfig
 from tandem.core.engine_core import EngineCore
-from tandem.core.executor import InProcessExecutor
+from tandem.core.worker.executors import InProcessExecutor
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.request import Request, RequestStatus

@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-slow demo lint clean
+.PHONY: install test test-slow demo lint line-counts clean
 
 EXAMPLE_PLUGIN := examples/tandem-srpt
 
@@ -39,6 +39,11 @@ test-slow: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+# Kernel, largest files and longest functions against their limits; writes
+# benchmarks/results/line_counts.json (add --check to fail on a broken limit).
+line-counts: $(STAMP)
+	$(BIN)/python scripts/line_counts.py
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py

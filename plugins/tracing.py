@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import pluggy
 
 from tandem.core import hookimpl
+from tandem.core.plugin_manager import PluginConfigError
 
 if TYPE_CHECKING:
     from tandem.core.engine_core import EngineCore
@@ -125,8 +126,8 @@ class _Holder:
 
 class HookTracing:
     """The tracing plugin (see the module docstring). One per engine: `attach` returns the
-    one already registered. It is no stack entry: naming `hook-tracing` in a stack adds
-    nothing (it implements no hook of its own); use `trace_hooks: true`."""
+    one already registered. It is no stack entry: a stack naming `hook-tracing` fails to
+    load, pointing at `trace_hooks: true` (its hooks are generated per engine at attach)."""
 
     name: ClassVar[str] = "hook-tracing"
 
@@ -154,6 +155,15 @@ class HookTracing:
             tracing._instrument(worker.plugin_manager, engine_side=False)
         engine.wait_observer = tracing._wait
         return tracing
+
+    @hookimpl
+    def tandem_stack_loaded(self) -> None:
+        """Reached only when a stack names this plugin (`attach` registers generated hooks,
+        never this method)."""
+        raise PluginConfigError(
+            f"plugins: {self.name!r} is not a stack entry; turn tracing on with the top-level "
+            "flag `trace_hooks: true`"
+        )
 
     def summary(self, num_steps: int) -> dict[str, dict[str, float]]:
         """Per `"plugin.hook"`, slowest first: calls, total ms and ms per engine step."""

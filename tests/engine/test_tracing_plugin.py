@@ -8,8 +8,10 @@ from collections.abc import Generator
 from typing import Any
 
 import pluggy
+import pytest
 
 from tandem.core import hookimpl
+from tandem.core.plugin_manager import PluginConfigError
 from tandem.plugins.tracing import StepTracer, enable_tracing, tracing_of
 from tandem.testing import collect_outputs, make_request, make_scripted_engine
 
@@ -113,3 +115,8 @@ def test_engine_lane_has_one_schedule_span_per_step_and_the_waits() -> None:
     assert inside and all(
         schedule_span.start <= s.start <= s.end <= schedule_span.end for s in inside
     )
+
+
+def test_naming_it_in_a_stack_points_at_the_flag() -> None:
+    with pytest.raises(PluginConfigError, match="hook-tracing.*trace_hooks: true"):
+        make_scripted_engine(plugins=["reference-scheduler", "default-sampler", "hook-tracing"])

@@ -53,6 +53,7 @@ class EngineCore:
         self, config: EngineConfig, executor: Executor | None = None, source: str | None = None
     ) -> None:
         self.config = config
+        self.max_model_len, self.vocab_size = config.max_model_len, config.model.vocab_size
         source = source if source is not None else config.source
         self.plugin_manager = TandemPluginManager(config, side="engine", source=source)
         self.hook = self.plugin_manager.hook

@@ -1,37 +1,18 @@
-"""Engine configuration: pydantic models, YAML stack files, keyword overrides.
+"""Engine configuration: the pydantic models of every section and of the plugin stack.
 
-A stack file is YAML with the sections below (all optional) and `plugins`, the ordered list
-of plugins with their options:
-
-    model: {model: scripted, max_model_len: 512}
-    scheduler: {max_num_batched_tokens: 256, max_num_seqs: 16}
-    cache: {block_size: 16, num_kv_blocks: 128, enable_prefix_caching: true}
-    plugins:
-      - reference-scheduler
-      - name: default-sampler
-        options: {}
-
-`LLM(**kw)` keywords override fields by their (unique) name, e.g. `max_num_seqs=64`.
-Every error names the file, the key path and what was expected. A key written twice in one
-mapping is an error (YAML alone would keep the last silently). String values may name
-environment variables, `${NAME}` or `${NAME:-fallback}`; `${TANDEM_CACHE}` always resolves
-(to `~/.cache/tandem` when unset), e.g. `speculative: {model: ${TANDEM_CACHE}/eagle/head}`.
+Reading YAML stack files and keyword overrides is the front door's (`tandem.stack_file`,
+`tandem.load_config`). Plugin names are not listed here: `speculative.method` and
+`structured_output.backend` are plain strings, checked when the stack is resolved against
+what installed plugins declare (`tandem.core.resolve`).
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
-
-from tandem.sampling_params import format_validation_error
-
-logger = logging.getLogger("tandem.config")
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer, field_validator
 
 
 class ConfigError(ValueError):
@@ -108,7 +89,10 @@ class CacheConfig(_Section):
 class SpeculativeConfig(_Section):
     """Speculative decoding, as vLLM's `speculative_config`."""
 
-    method: Literal["ngram", "eagle", "draft_model", "scripted"]
+    method: str = Field(
+        description="the drafter: a name an installed drafter plugin declares in its "
+        "`speculative_methods` (bundled: ngram, eagle, draft_model)"
+    )
     num_speculative_tokens: int = Field(ge=1)
     prompt_lookup_min: int = Field(1, ge=1)
     prompt_lookup_max: int = Field(3, ge=1)
@@ -123,7 +107,11 @@ class SpeculativeConfig(_Section):
 
 
 class StructuredOutputConfig(_Section):
-    backend: Literal["auto", "xgrammar", "outlines"] = "auto"
+    backend: str = Field(
+        "auto",
+        description="auto (the stack's grammar plugin chooses) or a backend name a grammar "
+        "plugin declares in its `grammar_backends` (bundled: xgrammar, outlines)",
+    )
 
 
 class SimulatedDeviceConfig(_Section):
@@ -168,14 +156,46 @@ class ParallelConfig(_Section):
 
 
 class PluginSpec(_Section):
-    """One entry of the stack: a plugin name (entry point in `tandem.plugins`) and options."""
+    """One entry of the stack: `name` is an installed plugin's entry-point name (group
+    `tandem.plugins`), a name registered in-process (`plugin_manager.register_plugin`), or
+    an import path `module:Class`; `plugin` is the class itself when one was given (e.g.
+    `LLM(plugins=[MyScheduler])`; it never leaves the process: serialised, it is the path).
+    """
 
     name: str
     options: dict[str, Any] = Field(default_factory=dict)
+    plugin: Any = Field(None, repr=False)
+
+    @field_serializer("plugin", when_used="json")
+    def _plugin_as_path(self, plugin: Any) -> str | None:
+        return class_path(plugin) if isinstance(plugin, type) else plugin
+
+
+def class_path(cls: type) -> str:
+    """`module:Qualname`, the path a class is imported by in another process."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _as_spec(entry: Any) -> Any:
+    """A stack entry as `PluginSpec` data: a name, a class, a `(name or class, options)`
+    pair, or a mapping (whose `name` may be a class)."""
+    if isinstance(entry, tuple) and len(entry) == 2:
+        return {**_as_spec(entry[0]), "options": entry[1]}
+    if isinstance(entry, type):
+        return {"name": class_path(entry), "plugin": entry}
+    if isinstance(entry, dict) and isinstance(entry.get("name"), type):
+        return {**entry, **_as_spec(entry["name"])}
+    return {"name": entry} if isinstance(entry, str) else entry
 
 
 class EngineConfig(_Section):
-    """The whole configuration. `plugins=None` means the default stack."""
+    """The whole configuration. `plugins=None` means the default stack.
+
+    `resolved_stack` is written when the stack is resolved (`tandem.core.resolve`): every
+    plugin in call order with its class (serialised as `module:Class`), so a worker in
+    another process rebuilds the same stack without discovery. Anything set there by hand
+    is replaced by `resolve_config`.
+    """
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
@@ -184,6 +204,7 @@ class EngineConfig(_Section):
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     plugins: list[PluginSpec] | None = None
+    resolved_stack: list[PluginSpec] | None = None
     check_invariants: bool = False
     trace_hooks: bool = Field(
         False, description="time each plugin's implementation of each hook (engine side)"
@@ -197,12 +218,13 @@ class EngineConfig(_Section):
     def source(self) -> str:
         return self._source
 
-    @field_validator("plugins", mode="before")
+    #: The resolved stack object (`resolve.ResolvedStack`), kept for this process.
+    _stack: Any = PrivateAttr(default=None)
+
+    @field_validator("plugins", "resolved_stack", mode="before")
     @classmethod
-    def _plugin_names_as_specs(cls, value: Any) -> Any:
-        if isinstance(value, list):
-            return [{"name": v} if isinstance(v, str) else v for v in value]
-        return value
+    def _entries_as_specs(cls, value: Any) -> Any:
+        return [_as_spec(v) for v in value] if isinstance(value, (list, tuple)) else value
 
     @property
     def max_model_len(self) -> int:
@@ -220,110 +242,6 @@ class EngineConfig(_Section):
         return 2 if self.scheduler.async_scheduling else 1
 
 
-_SECTIONS = ("model", "scheduler", "cache", "speculative", "structured_output", "parallel")
-_TOP_LEVEL = ("plugins", "check_invariants", "trace_hooks")
-
-
-def _override_target(key: str) -> tuple[str | None, str]:
-    """Map a flat keyword (vLLM style) to (section, field); raise for unknown names."""
-    if key in _TOP_LEVEL or key in _SECTIONS and key != "model":
-        return None, key
-    if key == "speculative_config":
-        return None, "speculative"
-    for section in _SECTIONS:
-        model_cls = EngineConfig.model_fields[section].annotation
-        fields = getattr(model_cls, "model_fields", None)
-        if fields is None:  # Optional[...] section
-            fields = SpeculativeConfig.model_fields
-        if key in fields:
-            return section, key
-    raise ConfigError(f"unknown engine option {key!r}: not a field of any config section")
-
-
-def yaml_key_lines(text: str) -> dict[tuple[str | int, ...], int]:
-    """The 1-based line of every mapping key and sequence item of a YAML document, by path."""
-    lines: dict[tuple[str | int, ...], int] = {}
-
-    def walk(node: yaml.Node, path: tuple[str | int, ...]) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                child = (*path, str(key.value))
-                lines[child] = key.start_mark.line + 1
-                walk(value, child)
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                lines[(*path, i)] = item.start_mark.line + 1
-                walk(item, (*path, i))
-
-    root = yaml.compose(text, Loader=yaml.SafeLoader)
-    if root is not None:
-        walk(root, ())
-    return lines
-
-
-class DuplicateKeyError(yaml.MarkedYAMLError):
-    """A mapping key written twice (`line` and `first_line` are 1-based)."""
-
-    def __init__(self, key: Any, line: int, first_line: int) -> None:
-        super().__init__(problem=f"duplicate key {key!r}")
-        self.key, self.line, self.first_line = key, line, first_line
-
-
-class _StackLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that refuses a key written twice in one mapping."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *anchor` merges are allowed to repeat keys
-            key = self.construct_object(key_node, deep=True)
-            try:
-                first = seen.get(key)
-            except TypeError:
-                continue  # an unhashable key: the base class reports it
-            line = key_node.start_mark.line + 1
-            if first is not None:
-                raise DuplicateKeyError(key, line, first)
-            seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-#: `${NAME}` or `${NAME:-fallback}` in a string value of a stack file.
-_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-
-
-def expand_env(
-    value: Any, source: str, lines: dict[tuple[str | int, ...], int], path: tuple = ()
-) -> Any:
-    """`value` with `${NAME}` / `${NAME:-fallback}` replaced in every string, recursively.
-    `${TANDEM_CACHE}` falls back to tandem's cache root; any other unset variable without a
-    fallback is a `ConfigError` naming the line, the key path and the variable."""
-    if isinstance(value, dict):
-        return {k: expand_env(v, source, lines, (*path, str(k))) for k, v in value.items()}
-    if isinstance(value, list):
-        return [expand_env(v, source, lines, (*path, i)) for i, v in enumerate(value)]
-    if not isinstance(value, str) or "${" not in value:
-        return value
-
-    def substitute(match: re.Match[str]) -> str:
-        name, fallback = match.group(1), match.group(2)
-        found = os.environ.get(name)
-        if found:
-            return found
-        if fallback is not None:
-            return fallback
-        if name == "TANDEM_CACHE":
-            return str(cache_root())
-        key = ".".join(str(p) for p in path) or "<root>"
-        raise ConfigError(
-            f"{with_line(source, lines, path)}: {key}: environment variable {name} is not set "
-            f"(write ${{{name}:-fallback}} to give a default)"
-        )
-
-    return _ENV_REFERENCE.sub(substitute, value)
-
-
 def with_line(
     source: str, lines: dict[tuple[str | int, ...], int], path: tuple[str | int, ...]
 ) -> str:
@@ -334,58 +252,3 @@ def with_line(
         if line is not None:
             return f"{source}:{line}"
     return source
-
-
-def load_config(path: str | Path | EngineConfig | None = None, **overrides: Any) -> EngineConfig:
-    """Read an optional YAML stack file (or start from an `EngineConfig`), apply keyword
-    overrides, validate.
-
-    Raises `ConfigError` naming the file, the key path and the expectation for bad YAML,
-    an unknown key or a wrong type.
-    """
-    source = str(path) if isinstance(path, (str, Path)) else "<keywords>"
-    data: dict[str, Any] = {}
-    lines: dict[tuple[str | int, ...], int] = {}
-    if isinstance(path, EngineConfig):
-        data = path.model_dump(exclude_unset=True)
-    elif path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError(f"{source}: cannot read stack file ({exc.strerror})") from exc
-        try:
-            loaded = yaml.load(text, Loader=_StackLoader)  # safe_load, refusing duplicate keys
-        except DuplicateKeyError as exc:
-            raise ConfigError(
-                f"{source}:{exc.line}: duplicate key {exc.key!r} (first written on line "
-                f"{exc.first_line}); YAML would silently keep only the last one"
-            ) from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{source}: invalid YAML: {exc}") from exc
-        lines = yaml_key_lines(text)
-        loaded = expand_env(loaded, source, lines)
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(
-                f"{source}: <root>: expected a mapping of sections, got {type(loaded).__name__}"
-            )
-        data = loaded
-    for key, value in overrides.items():
-        if value is None:
-            continue
-        section, field = _override_target(key)
-        if section is None:
-            data[field] = value
-        else:
-            target = data.setdefault(section, {})
-            if not isinstance(target, dict):
-                raise ConfigError(f"{source}: {section}: expected a mapping")
-            target[field] = value
-    try:
-        config = EngineConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source, lines)) from exc
-    config._source = source if isinstance(path, (str, Path)) else getattr(path, "source", source)
-    config._lines = dict(path._lines) if isinstance(path, EngineConfig) else lines
-    return config

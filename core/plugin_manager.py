@@ -1,15 +1,22 @@
-"""Loading a plugin stack: discovery by entry point, option validation, registration order.
+"""Finding plugins and holding one side of a resolved stack.
 
-Bundled plugins are found exactly like third-party ones: through the entry-point group
-`tandem.plugins` (tandem's own distribution declares its bundled plugins there). A plugin
-is inactive until a stack names it. Stack order is call order, so plugins are registered in
-reverse (pluggy calls the most recently registered implementation first).
+A plugin is found by name: an entry point of the group `tandem.plugins` (tandem's own
+distribution declares its bundled plugins there, exactly like a third-party one), then a
+name registered in this process (`register_plugin`: the test kit's doubles, classes under
+test), then an import path `module:Class`. A stack may also hold the class itself
+(`LLM(plugins=[MyScheduler])`). A plugin is inactive until a stack names it.
+
+A plugin declares what it is with class attributes, read from the class (no instance):
+`CAPABILITIES` lists them with their defaults. The stack is resolved once
+(`tandem.core.resolve.stack_of`); the engine and the worker each build a
+`TandemPluginManager` from that one `ResolvedStack`. Stack order is call order, so plugins
+are registered in reverse (pluggy calls the most recently registered implementation first).
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
-import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -17,19 +24,15 @@ from importlib import metadata
 from typing import Any, ClassVar
 
 import pluggy
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from tandem.core.config import ConfigError, EngineConfig, PluginSpec, with_line
+from tandem.core.config import ConfigError, EngineConfig
 from tandem.core.hookspecs import PROJECT, EngineHookSpecs, WorkerHookSpecs
-from tandem.sampling_params import format_validation_error
-
-logger = logging.getLogger("tandem.plugins")
 
 ENTRY_POINT_GROUP = "tandem.plugins"
 ENGINE_HOOKS = frozenset(n for n in vars(EngineHookSpecs) if not n.startswith("_"))
 WORKER_HOOKS = frozenset(n for n in vars(WorkerHookSpecs) if not n.startswith("_"))
 ALL_HOOKS = ENGINE_HOOKS | WORKER_HOOKS
-
 
 class PluginConfigError(ConfigError):
     """A stack that cannot run: unknown plugin, bad options, conflicting plugins."""
@@ -43,23 +46,56 @@ class NoOptions(BaseModel):
 
 class TandemPlugin:
     """Convenience base class for plugins (not required: any class with the same
-    constructor and class attributes works).
+    constructor and class attributes works). `Options` is the plugin's pydantic options
+    model. The other class attributes are capabilities, read from the class (`capability`
+    gives these defaults to a class that declares nothing)."""
 
-    `role` lets the stack resolver find conflicts (two schedulers) and place the async
-    layer right after the scheduler. `Options` is the plugin's pydantic options model.
-    """
-
-    role: ClassVar[str | None] = None
     Options: ClassVar[type[BaseModel]] = NoOptions
+    #: "scheduler", "async-layer", "sampler", "drafter" or "grammar": the resolver places
+    #: and counts plugins by role (one scheduler, at most one drafter, ...).
+    role: ClassVar[str | None] = None
+    #: drafter: the `speculative.method` values it answers (a default stack takes the
+    #: installed drafter declaring the configured method).
+    speculative_methods: ClassVar[tuple[str, ...]] = ()
+    #: drafter: its drafts continue the sampled tokens (async scheduling can keep them).
+    aligned_drafts: ClassVar[bool] = True
+    #: drafter: reads the target model's hidden states (the runner keeps them).
+    needs_hidden_states: ClassVar[bool] = False
+    #: grammar: the `structured_output.backend` values it answers.
+    grammar_backends: ClassVar[tuple[str, ...]] = ()
+    #: grammar: needs the model's tokenizer (the model's loader says if there is one).
+    needs_tokenizer: ClassVar[bool] = False
+    #: sampler: applies the grammar bitmask (`grammar_bitmask`'s answer) when sampling.
+    applies_grammar_bitmask: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, options: BaseModel) -> None:
         self.config = config
         self.options = options
 
 
+#: The capabilities a plugin class may declare (class attributes of `TandemPlugin`).
+CAPABILITIES = (
+    "role",
+    "speculative_methods",
+    "aligned_drafts",
+    "needs_hidden_states",
+    "grammar_backends",
+    "needs_tokenizer",
+    "applies_grammar_bitmask",
+)
+
+
+def capability(cls: type, name: str) -> Any:
+    """The capability `name` that `cls` declares, else `TandemPlugin`'s default."""
+    return getattr(cls, name, getattr(TandemPlugin, name))
+
+
+# Discovery ------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True, slots=True)
 class PluginInfo:
-    """What discovery knows about one installed plugin, without instantiating it."""
+    """What discovery knows about one installed plugin, without importing it."""
 
     name: str
     value: str
@@ -67,7 +103,7 @@ class PluginInfo:
     version: str
 
 
-_scan: tuple[tuple[tuple[str, int, int], ...], tuple[metadata.EntryPoint, ...]] | None = None
+_scans: dict[str, tuple[tuple[tuple[str, int, int], ...], tuple[metadata.EntryPoint, ...]]] = {}
 
 
 def _path_state() -> tuple[tuple[str, int, int], ...]:
@@ -84,15 +120,14 @@ def _path_state() -> tuple[tuple[str, int, int], ...]:
     return tuple(state)
 
 
-def plugin_entry_points() -> tuple[metadata.EntryPoint, ...]:
-    """The entry points of the group `tandem.plugins`. Scanning every installed
-    distribution is slow (resolving one stack asks many times), so the scan is kept until
-    `sys.path` or one of its directories changes."""
-    global _scan
+def plugin_entry_points(group: str = ENTRY_POINT_GROUP) -> tuple[metadata.EntryPoint, ...]:
+    """The entry points of `group`. Scanning every installed distribution is slow, so the
+    scan is kept until `sys.path` or one of its directories changes."""
     state = _path_state()
-    if _scan is None or _scan[0] != state:
-        _scan = (state, tuple(metadata.entry_points(group=ENTRY_POINT_GROUP)))
-    return _scan[1]
+    scan = _scans.get(group)
+    if scan is None or scan[0] != state:
+        scan = _scans[group] = (state, tuple(metadata.entry_points(group=group)))
+    return scan[1]
 
 
 def discover_plugins() -> dict[str, PluginInfo]:
@@ -109,217 +144,142 @@ def discover_plugins() -> dict[str, PluginInfo]:
     return found
 
 
+#: Plugins registered by class in this process (`register_plugin`), by name.
+_registered: dict[str, type] = {}
+
+
+def register_plugin(name: str, cls: type) -> None:
+    """Make `cls` resolvable as `name` in this process (after the installed plugins of
+    that name). A worker in another process gets the class by its import path."""
+    _registered[name] = cls
+
+
+def unregister_plugin(name: str) -> None:
+    _registered.pop(name, None)
+
+
+def registered_plugins() -> dict[str, type]:
+    """The plugins registered by class in this process, by name."""
+    return dict(_registered)
+
+
+def _import_failure(name: str, value: str, where: str, exc: BaseException) -> PluginConfigError:
+    cause = (
+        f"called sys.exit({exc.code!r}) while importing"
+        if isinstance(exc, SystemExit)
+        else f"{type(exc).__name__}: {exc}"
+    )
+    return PluginConfigError(f"{where}: plugin {name!r} ({value}) failed to import: {cause}")
+
+
+def import_class(path: str) -> Any:
+    """The object at `module:Qualname` (AttributeError / ImportError when absent)."""
+    module, _, qualname = path.partition(":")
+    value: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def load_plugin_class(name: str, where: str = "plugins") -> type:
-    """Import the plugin class behind entry point `name`; errors name the plugin and cause.
+    """The plugin class behind `name` (entry point, registered name, or `module:Class`).
 
     Anything a plugin raises while importing, `SystemExit` included (a plugin module that
-    calls `sys.exit`), becomes a `PluginConfigError`: one broken plugin must not end the
-    process that merely looked at it. Only `KeyboardInterrupt` passes through."""
-    for ep in (ep for ep in plugin_entry_points() if ep.name == name):
+    calls `sys.exit`), becomes a `PluginConfigError` naming the plugin and the cause: one
+    broken plugin must not end the process that merely looked at it. Only
+    `KeyboardInterrupt` passes through."""
+    found = [(ep.value, ep.load) for ep in plugin_entry_points() if ep.name == name]
+    if not found and name in _registered:
+        return _registered[name]
+    if not found and ":" in name:
+        found = [(name, lambda: import_class(name))]
+    for value, load in found:
         try:
-            return ep.load()
+            return load()
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # reported, never swallowed, never fatal
-            cause = (
-                f"called sys.exit({exc.code!r}) while importing"
-                if isinstance(exc, SystemExit)
-                else f"{type(exc).__name__}: {exc}"
-            )
-            raise PluginConfigError(
-                f"{where}: plugin {name!r} ({ep.value}) failed to import: {cause}"
-            ) from exc
-    available = ", ".join(sorted(discover_plugins())) or "none"
+            raise _import_failure(name, value, where, exc) from exc
+    available = ", ".join(sorted({*discover_plugins(), *_registered})) or "none"
     raise PluginConfigError(
         f"{where}: unknown plugin {name!r}; installed plugins: {available} "
-        f"(entry-point group {ENTRY_POINT_GROUP!r})"
+        f"(entry-point group {ENTRY_POINT_GROUP!r}; or name a class as module:Class)"
     )
+
+
+_loadable: tuple[tuple[Any, ...], dict[str, type]] | None = None
+
+
+def loadable_plugins() -> dict[str, type]:
+    """Every installed and registered plugin that imports, by name (broken ones skipped):
+    what the resolver reads declared names from. Kept until discovery or the registry
+    changes."""
+    global _loadable
+    key = (plugin_entry_points(), tuple(_registered.items()))
+    if _loadable is None or _loadable[0] != key:
+        classes = dict(_registered)
+        for ep in key[0]:
+            try:
+                classes[ep.name] = load_plugin_class(ep.name)
+            except PluginConfigError:
+                continue
+        _loadable = (key, classes)
+    return _loadable[1]
 
 
 def implemented_hooks(cls: type) -> set[str]:
     """Names of hooks a plugin class implements (methods marked with `hookimpl`)."""
-    hooks = set()
-    for attr, value in inspect.getmembers(cls):
-        if callable(value) and hasattr(value, PROJECT + "_impl"):
-            hooks.add(attr)
-    return hooks
+    return {
+        attr
+        for attr, value in inspect.getmembers(cls)
+        if callable(value) and hasattr(value, PROJECT + "_impl")
+    }
 
 
 def plugin_sides(cls: type) -> set[str]:
     hooks = implemented_hooks(cls)
-    sides = set()
-    if hooks & ENGINE_HOOKS:
-        sides.add("engine")
-    if hooks & WORKER_HOOKS:
-        sides.add("worker")
-    return sides
+    return {
+        side
+        for side, names in (("engine", ENGINE_HOOKS), ("worker", WORKER_HOOKS))
+        if hooks & names
+    }
 
 
-#: The drafter plugin the default stack adds for each `speculative.method`.
-DRAFTER_FOR_METHOD = {
-    "ngram": "ngram-drafter",
-    "eagle": "eagle-drafter",
-    "draft_model": "draft-model-drafter",
-    "scripted": "scripted-drafter",
-}
-
-
-def default_stack(config: EngineConfig) -> list[PluginSpec]:
-    """The stack used when the config names none: the reference scheduler and sampler,
-    the `structured-output` grammar plugin for a real model (one with a tokenizer), and
-    the drafter of `speculative.method` when speculative decoding is configured."""
-    stack = [PluginSpec(name="reference-scheduler"), PluginSpec(name="default-sampler")]
-    if config.model.model != "scripted":  # a real model has a tokenizer: grammars work
-        stack.append(PluginSpec(name="structured-output"))
-    if config.speculative is not None:
-        stack.append(PluginSpec(name=DRAFTER_FOR_METHOD[config.speculative.method]))
-    return stack
-
-
-def find_drafter(config: EngineConfig, source: str = "<config>") -> tuple[str, type] | None:
-    """(name, class) of the drafter-role plugin the stack will use, or None.
-
-    Raises `PluginConfigError` when the stack and `speculative` disagree: speculative
-    decoding configured but no drafter in an explicit stack, or a drafter without it."""
-    specs = list(config.plugins) if config.plugins is not None else default_stack(config)
-    drafters = []
-    for i, spec in enumerate(specs):
-        where = f"{with_line(source, config._lines, ('plugins', i))}: plugins[{i}].name"
-        cls = load_plugin_class(spec.name, where)
-        if getattr(cls, "role", None) == "drafter":
-            drafters.append((spec.name, cls))
-    if config.speculative is not None and not drafters:
-        raise PluginConfigError(
-            f"{source}: speculative: method {config.speculative.method!r} is configured but "
-            f"the stack ({', '.join(s.name for s in specs)}) has no drafter plugin; add "
-            f"{DRAFTER_FOR_METHOD[config.speculative.method]!r} to plugins"
-        )
-    if config.speculative is None and drafters:
-        raise PluginConfigError(
-            f"{source}: plugins: the drafter {drafters[0][0]!r} needs a speculative section "
-            "(speculative: {method: ..., num_speculative_tokens: k}), but none is configured"
-        )
-    if len(drafters) > 1:
-        raise PluginConfigError(
-            f"{source}: plugins: {len(drafters)} plugins claim the drafter role "
-            f"({', '.join(n for n, _ in drafters)}); a stack has at most one drafter"
-        )
-    return drafters[0] if drafters else None
-
-
-def resolve_stack(config: EngineConfig, source: str = "<config>") -> list[tuple[PluginSpec, type]]:
-    """Resolve names to classes, add implied plugins, reject conflicts.
-
-    The async layer (`async-scheduler`) is inserted right after the scheduler when
-    `scheduler.async_scheduling` is true and the stack does not name an async layer.
-    """
-    specs = list(config.plugins) if config.plugins is not None else default_stack(config)
-    resolved = [
-        (
-            spec,
-            load_plugin_class(
-                spec.name,
-                f"{with_line(source, config._lines, ('plugins', i))}: plugins[{i}].name",
-            ),
-        )
-        for i, spec in enumerate(specs)
-    ]
-    roles: dict[str, list[str]] = {}
-    for spec, cls in resolved:
-        role = getattr(cls, "role", None)
-        if role:
-            roles.setdefault(role, []).append(spec.name)
-    for role in ("scheduler", "async-layer", "sampler"):
-        if len(roles.get(role, [])) > 1:
-            raise PluginConfigError(
-                f"{source}: plugins: {len(roles[role])} plugins claim the {role} role "
-                f"({', '.join(roles[role])}); a stack has exactly one {role}"
-            )
-    if "scheduler" not in roles:
-        raise PluginConfigError(f"{source}: plugins: the stack has no scheduler plugin")
-    find_drafter(config, source)
-    if "grammar" in roles:
-        masking = [
-            spec.name
-            for spec, cls in resolved
-            if getattr(cls, "role", None) == "sampler"
-            and getattr(cls, "applies_grammar_bitmask", False)
-        ]
-        if not masking:
-            samplers = roles.get("sampler", [])
-            raise PluginConfigError(
-                f"{source}: plugins: the grammar backend {roles['grammar'][0]} needs a sampler "
-                "that applies grammar bitmasks (`applies_grammar_bitmask = True`), but "
-                + (f"{samplers[0]} does not" if samplers else "the stack has no sampler")
-            )
-    if config.scheduler.async_scheduling and "async-layer" not in roles:
-        index = next(
-            i for i, (_, c) in enumerate(resolved) if getattr(c, "role", None) == "scheduler"
-        )
-        spec = PluginSpec(name="async-scheduler")
-        resolved.insert(index + 1, (spec, load_plugin_class(spec.name, f"{source}: plugins")))
-    if not config.scheduler.async_scheduling and "async-layer" in roles:
-        raise PluginConfigError(
-            f"{source}: plugins: {roles['async-layer'][0]} needs scheduler.async_scheduling: true"
-        )
-    return resolved
-
-
-def stack_entry_location(config: EngineConfig, spec: PluginSpec, source: str) -> str:
-    """`file:N: plugins[i]` for a plugin the stack file names; a plugin the resolver
-    added (the async layer) has no entry and is named instead."""
-    for i, named in enumerate(config.plugins or []):
-        if named is spec:
-            return f"{with_line(source, config._lines, ('plugins', i))}: plugins[{i}]"
-    return f"{source}: plugin {spec.name!r} (implied by the stack)"
-
-
-def validate_options(spec: PluginSpec, cls: type, where: str) -> BaseModel:
-    options_model: type[BaseModel] = getattr(cls, "Options", NoOptions)
-    try:
-        return options_model.model_validate(spec.options)
-    except ValidationError as exc:
-        raise PluginConfigError(format_validation_error(exc, f"{where}.options")) from exc
+# The manager ----------------------------------------------------------------------------
 
 
 class TandemPluginManager(pluggy.PluginManager):
-    """A pluggy manager holding one side (engine or worker) of a resolved stack."""
+    """A pluggy manager holding one side (engine or worker) of the config's resolved stack
+    (`resolve.stack_of`: resolved once, shared by both sides)."""
 
     def __init__(
         self, config: EngineConfig, side: str = "engine", source: str = "<config>"
     ) -> None:
+        from tandem.core.resolve import stack_of  # resolve imports this module
+
         super().__init__(PROJECT)
         self.config = config
         self.side = side
         self.add_hookspecs(EngineHookSpecs)
         self.add_hookspecs(WorkerHookSpecs)
-        self.stack: list[tuple[str, Any]] = []
-        resolved = resolve_stack(config, source)
+        self.resolved = stack_of(config, source)
+        self.stack_names = [entry.name for entry in self.resolved.entries]
         instances: list[tuple[str, Any]] = []
-        self.stack_names = [spec.name for spec, _ in resolved]
-        for i, (spec, cls) in enumerate(resolved):
-            where = stack_entry_location(config, spec, source)
-            options = validate_options(spec, cls, where)
-            self._check_hook_names(spec.name, cls)
-            if side not in plugin_sides(cls):
+        for i, entry in enumerate(self.resolved.entries):
+            if side not in plugin_sides(entry.cls):
                 continue
             try:
-                instance = cls(config, options)
+                instance = entry.cls(config, entry.options)
             except PluginConfigError:
                 raise
             except Exception as exc:
                 raise PluginConfigError(
-                    f"{where}: plugin {spec.name!r} failed to start: {type(exc).__name__}: {exc}"
+                    f"{entry.where}: plugin {entry.name!r} failed to start: "
+                    f"{type(exc).__name__}: {exc}"
                 ) from exc
             # A plugin may appear twice in a stack (with different options).
-            name = spec.name if spec.name not in dict(instances) else f"{spec.name}#{i}"
+            name = entry.name if entry.name not in dict(instances) else f"{entry.name}#{i}"
             instances.append((name, instance))
-        if not any("sample" in implemented_hooks(cls) for _, cls in resolved):
-            # After every plugin's options were checked: those errors are more specific.
-            raise PluginConfigError(
-                f"{source}: plugins: the stack has no sampler (no plugin implements "
-                "`sample`); add 'default-sampler'"
-            )
         for name, instance in reversed(instances):
             try:
                 self.register(instance, name=name)
@@ -332,17 +292,8 @@ class TandemPluginManager(pluggy.PluginManager):
         self.stack = instances
         self.hook.tandem_stack_loaded(manager=self)
 
-    @staticmethod
-    def _check_hook_names(name: str, cls: type) -> None:
-        unknown = implemented_hooks(cls) - ALL_HOOKS
-        if unknown:
-            raise PluginConfigError(
-                f"plugin {name!r} implements unknown hook(s) {sorted(unknown)}; "
-                f"known hooks: {sorted(ALL_HOOKS)}"
-            )
-
     def plugins_with_role(self, role: str) -> list[Any]:
-        return [p for _, p in self.stack if getattr(p, "role", None) == role]
+        return [p for _, p in self.stack if capability(type(p), "role") == role]
 
     def plugin_names(self) -> list[str]:
         """The whole resolved stack, in call order (both sides)."""

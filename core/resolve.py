@@ -1,152 +1,331 @@
-"""Turning a user's config into a complete one: model limits, KV pool size, async mode.
+"""Completing a config: model limits, KV pool, async mode, and the one resolved stack.
 
+`resolve_config` fills every `None` that has a computable value: the model's loader
+(`worker.model_loader`) fills vocabulary, EOS, `max_model_len` and the KV pool; then
 `async_scheduling`: None resolves to on unless an option is incompatible (then off, with a
 log line naming it); True with an incompatible option is an error naming it. Incompatible:
-an executor without async support, pipeline parallelism, a drafter plugin that declares
-`aligned_drafts = False` (looked up in the stack the engine will use).
+an executor without async support, pipeline parallelism, a drafter that declares
+`aligned_drafts = False`.
+
+`stack_of(config)` resolves the plugin stack once (names to classes, implied plugins,
+options, conflicts) into a `ResolvedStack` kept on the config; the engine's and the
+worker's plugin managers both read it. `config.resolved_stack` is its serialisable form
+(each class as `module:Class`), from which a worker in another process rebuilds it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
+from dataclasses import dataclass
 
-from tandem.core.config import ConfigError, EngineConfig
-from tandem.core.plugin_manager import find_drafter
+from pydantic import BaseModel, ValidationError
+
+from tandem.core.config import ConfigError, EngineConfig, PluginSpec, class_path, with_line
+from tandem.core.plugin_manager import (
+    ALL_HOOKS,
+    NoOptions,
+    PluginConfigError,
+    capability,
+    implemented_hooks,
+    import_class,
+    load_plugin_class,
+    loadable_plugins,
+)
+from tandem.core.worker.model_loader import model_loader_for
+from tandem.core.worker.threads import resolve_worker_threads
+from tandem.sampling_params import format_validation_error
 
 logger = logging.getLogger("tandem.config")
 
-SCRIPTED_DEFAULT_VOCAB = 128
-SCRIPTED_DEFAULT_EOS = 1
-SCRIPTED_DEFAULT_MAX_MODEL_LEN = 1024
+
+@dataclass(frozen=True, slots=True)
+class StackEntry:
+    """One plugin of a resolved stack: its class, validated options, and where the stack
+    names it (`file:line: plugins[i]`, for errors)."""
+
+    name: str
+    cls: type
+    options: BaseModel
+    raw_options: dict
+    where: str
+
+    def cap(self, name: str) -> object:
+        return capability(self.cls, name)
+
+    def spec(self) -> PluginSpec:
+        return PluginSpec(name=self.name, options=self.raw_options, plugin=self.cls)
 
 
-def async_incompatibility(config: EngineConfig, executor_supports_async: bool) -> str | None:
-    """The first option that rules async scheduling out, in words, or None."""
-    if not executor_supports_async:
-        return f"executor {config.parallel.executor!r} without async scheduling support"
-    if config.parallel.pipeline_parallel_size > 1:
-        return "pipeline parallelism"
+@dataclass(frozen=True, slots=True)
+class ResolvedStack:
+    """The stack in call order, with the facts the kernel derives from it."""
+
+    entries: tuple[StackEntry, ...]
+
+    def with_role(self, role: str) -> list[StackEntry]:
+        return [e for e in self.entries if e.cap("role") == role]
+
+    @property
+    def drafter(self) -> StackEntry | None:
+        return next(iter(self.with_role("drafter")), None)
+
+    @property
+    def needs_hidden_states(self) -> bool:
+        return any(e.cap("needs_hidden_states") for e in self.with_role("drafter"))
+
+    @property
+    def applies_grammar_bitmask(self) -> bool:
+        return any(e.cap("applies_grammar_bitmask") for e in self.with_role("sampler"))
+
+    @property
+    def async_incompatibility(self) -> str | None:
+        """The plugin that rules async scheduling out, in words, or None."""
+        drafter = self.drafter
+        if drafter is not None and not drafter.cap("aligned_drafts"):
+            return f"drafter {drafter.name!r} (its drafts are not aligned with the sampled tokens)"
+        return None
+
+
+def _declared(role: str, attr: str, value: str) -> tuple[list[str], list[str]]:
+    """(installed plugins of `role` declaring `value` in `attr`, every value declared)."""
+    found = [(n, c) for n, c in loadable_plugins().items() if capability(c, "role") == role]
+    names = sorted({v for _, c in found for v in capability(c, attr)})
+    return [n for n, c in found if value in capability(c, attr)], names
+
+
+def _one_declaring(field: str, role: str, attr: str, value: str, required: bool) -> str | None:
+    claimants, declared = _declared(role, attr, value)
+    if len(claimants) > 1:
+        raise PluginConfigError(
+            f"{field}: {value!r} is declared by {len(claimants)} installed {role} plugins "
+            f"({', '.join(claimants)}); name the one to use in plugins"
+        )
+    if not claimants and required:
+        raise PluginConfigError(
+            f"{field}: no installed {role} plugin declares {value!r}; declared: "
+            f"{', '.join(declared) or 'none'}"
+        )
+    return claimants[0] if claimants else None
+
+
+def default_stack(config: EngineConfig) -> list[PluginSpec]:
+    """The stack used when the config names none: the reference scheduler and sampler,
+    the grammar plugin declaring `structured_output.backend` when the model's loader says
+    it has a tokenizer (or the plugin needs none), and the drafter declaring
+    `speculative.method` when speculative decoding is configured."""
+    stack = [PluginSpec(name="reference-scheduler"), PluginSpec(name="default-sampler")]
+    backend = config.structured_output.backend
+    grammar = _one_declaring(
+        "structured_output.backend", "grammar", "grammar_backends", backend, backend != "auto"
+    )
+    if grammar is not None and (
+        model_loader_for(config.model.model).has_tokenizer
+        or not capability(loadable_plugins()[grammar], "needs_tokenizer")
+    ):
+        stack.append(PluginSpec(name=grammar))
     if config.speculative is not None:
-        # The drafter declares it: `aligned_drafts = False` when its drafts do not continue
-        # the sampled tokens, so the worker cannot keep them for the next step.
-        drafter = find_drafter(config, config.source)
-        if drafter is not None and not getattr(drafter[1], "aligned_drafts", True):
-            return f"drafter {drafter[0]!r} (its drafts are not aligned with the sampled tokens)"
-    return None
+        method = config.speculative.method
+        drafter = _one_declaring(
+            "speculative.method", "drafter", "speculative_methods", method, True
+        )
+        stack.append(PluginSpec(name=drafter))
+    return stack
 
 
-def resolve_async_scheduling(config: EngineConfig, executor_supports_async: bool) -> bool:
-    incompatible = async_incompatibility(config, executor_supports_async)
-    requested = config.scheduler.async_scheduling
-    if requested and incompatible:
-        raise ConfigError(f"scheduler.async_scheduling: true is not supported with {incompatible}")
-    if requested is None:
-        if incompatible:
-            logger.info("async scheduling disabled: %s", incompatible)
-            return False
-        return True
-    return requested
-
-
-def default_worker_threads() -> tuple[int, str]:
-    """The worker's torch threads when the config names none, and where the number came
-    from: `OMP_NUM_THREADS` when it holds a positive integer (its first entry, as OpenMP
-    reads a nested list), else the CPUs this process may run on."""
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env:
-        first = env.split(",")[0].strip()
-        if first.isdigit() and int(first) >= 1:
-            return int(first), "OMP_NUM_THREADS"
-        logger.warning("OMP_NUM_THREADS=%r is not a positive integer; ignored", env)
+def _entry(config: EngineConfig, spec: PluginSpec, where: str) -> StackEntry:
+    cls = spec.plugin if isinstance(spec.plugin, type) else None
+    if cls is None:
+        path = spec.plugin if isinstance(spec.plugin, str) else None
+        cls = load_plugin_class(path or spec.name, f"{where}.name")
+    unknown = implemented_hooks(cls) - ALL_HOOKS
+    if unknown:
+        raise PluginConfigError(
+            f"plugin {spec.name!r} implements unknown hook(s) {sorted(unknown)}; "
+            f"known hooks: {sorted(ALL_HOOKS)}"
+        )
     try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity API (macOS, Windows)
-        cpus = os.cpu_count() or 1
-    return max(1, cpus), "the CPUs this process may use"
+        options = getattr(cls, "Options", NoOptions).model_validate(spec.options)
+    except ValidationError as exc:
+        raise PluginConfigError(format_validation_error(exc, f"{where}.options")) from exc
+    return StackEntry(spec.name, cls, options, dict(spec.options), where)
 
 
-def resolve_worker_threads(config: EngineConfig) -> None:
-    """Fill `parallel.worker_num_threads`: the explicit setting, else `OMP_NUM_THREADS`,
-    else the CPUs this process may use; record where the number came from."""
-    parallel = config.parallel
-    if parallel.worker_num_threads is None:
-        parallel.worker_num_threads, parallel._threads_from = default_worker_threads()
-    else:
-        parallel._threads_from = "parallel.worker_num_threads"
+def _check_roles(config: EngineConfig, stack: ResolvedStack, source: str) -> None:
+    for role in ("scheduler", "async-layer", "sampler", "drafter", "grammar"):
+        named = [e.name for e in stack.with_role(role)]
+        if len(named) > 1:
+            many = (
+                "exactly one" if role in ("scheduler", "async-layer", "sampler") else "at most one"
+            )
+            raise PluginConfigError(
+                f"{source}: plugins: {len(named)} plugins claim the {role} role "
+                f"({', '.join(named)}); a stack has {many} {role}"
+            )
+    if not stack.with_role("scheduler"):
+        raise PluginConfigError(f"{source}: plugins: the stack has no scheduler plugin")
+    drafter, spec = stack.drafter, config.speculative
+    if spec is not None and drafter is None:
+        suggestion, _ = _declared("drafter", "speculative_methods", spec.method)
+        raise PluginConfigError(
+            f"{source}: speculative: method {spec.method!r} is configured but the stack "
+            f"({', '.join(e.name for e in stack.entries)}) has no drafter plugin; add "
+            f"{' or '.join(map(repr, suggestion)) or 'a drafter declaring it'} to plugins"
+        )
+    if spec is None and drafter is not None:
+        raise PluginConfigError(
+            f"{source}: plugins: the drafter {drafter.name!r} needs a speculative section "
+            "(speculative: {method: ..., num_speculative_tokens: k}), but none is configured"
+        )
+    if spec is not None and drafter is not None:
+        _check_declares("speculative.method", spec.method, drafter, "speculative_methods")
 
 
-_announced_threads: int | None = None
-
-
-def set_worker_threads(config: EngineConfig) -> None:
-    """Give the worker its resolved torch threads (`torch.set_num_threads`), from the
-    thread the worker runs on. With the `inprocess` and `thread` executors that is the
-    caller's process, so the count is process-wide: it is set only when it differs from
-    the current one and logged (INFO) once per distinct value. The engine never changes
-    the thread count for its own sake."""
-    import torch
-
-    global _announced_threads
-    if config.parallel.worker_num_threads is None:  # a config built without resolve_config
-        resolve_worker_threads(config)
-    threads = config.parallel.worker_num_threads
-    assert threads is not None
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-    if _announced_threads != threads:
-        _announced_threads = threads
-        shared = config.parallel.executor in ("inprocess", "thread")
-        logger.info(
-            "worker: %d torch threads (from %s)%s",
-            threads,
-            config.parallel.worker_threads_from,
-            "; the worker runs in this process, so this is the process's thread count"
-            if shared
-            else "",
+def _check_declares(field: str, value: str, entry: StackEntry, attr: str) -> None:
+    """A plugin that declares names must declare the configured one."""
+    declared = tuple(entry.cap(attr))  # type: ignore[call-overload]
+    if declared and value not in declared:
+        raise PluginConfigError(
+            f"{entry.where}: {field} is {value!r} but {entry.name} declares {', '.join(declared)}"
         )
 
 
-def _resolve_real_model(config: EngineConfig) -> None:
-    """Fill vocabulary, EOS, max_model_len and the KV pool size from the model's files."""
-    import torch
+def _check_grammar(config: EngineConfig, stack: ResolvedStack, source: str) -> None:
+    backend = config.structured_output.backend
+    grammar = next(iter(stack.with_role("grammar")), None)
+    if grammar is None:
+        if backend != "auto":
+            _one_declaring(
+                "structured_output.backend", "grammar", "grammar_backends", backend, True
+            )
+        return
+    if backend != "auto":
+        _check_declares("structured_output.backend", backend, grammar, "grammar_backends")
+    loader = model_loader_for(config.model.model)
+    if grammar.cap("needs_tokenizer") and not loader.has_tokenizer:
+        raise PluginConfigError(
+            f"{grammar.where}: {grammar.name} needs a model with a tokenizer; the "
+            f"{config.model.model!r} model has none"
+        )
+    if not stack.applies_grammar_bitmask:
+        samplers = [e.name for e in stack.with_role("sampler")]
+        raise PluginConfigError(
+            f"{source}: plugins: the grammar backend {grammar.name} needs a sampler "
+            "that applies grammar bitmasks (`applies_grammar_bitmask = True`), but "
+            + (f"{samplers[0]} does not" if samplers else "the stack has no sampler")
+        )
 
-    from tandem.core.worker.hf_model import kv_bytes_per_token, resolve_dtype
-    from tandem.core.worker.model_files import load_hf_config, resolve_model_dir
 
-    model = config.model
-    model_dir = resolve_model_dir(model.model, allow_download=model.allow_download)
-    model.model = str(model_dir)
-    hf = load_hf_config(model_dir)
-    model.vocab_size = hf.vocab_size
-    if model.eos_token_id is None:
-        eos = getattr(hf, "eos_token_id", None)
-        model.eos_token_id = eos[0] if isinstance(eos, list) else eos
-    if model.max_model_len is None:
-        model.max_model_len = int(getattr(hf, "max_position_embeddings", 2048))
-    if config.cache.num_kv_blocks is None:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        per_token = kv_bytes_per_token(hf, resolve_dtype(model.dtype, device))
-        budget = int(config.cache.kv_cache_memory_gib * (1 << 30))
-        config.cache.num_kv_blocks = max(1, budget // (per_token * config.cache.block_size))
-        capacity = config.cache.num_kv_blocks * config.cache.block_size
-        model.max_model_len = min(model.max_model_len, capacity)
+def _check_process_paths(config: EngineConfig, stack: ResolvedStack) -> None:
+    """With the process executor every class travels as `module:Class`: it must import."""
+    if config.parallel.executor != "process":
+        return
+    for entry in stack.entries:
+        path = class_path(entry.cls)
+        try:
+            importable = "<locals>" not in path and not path.startswith("__main__:")
+            importable = importable and import_class(path) is entry.cls
+        except Exception:
+            importable = False
+        if not importable:
+            raise PluginConfigError(
+                f"{entry.where}: plugin {entry.name!r} ({path}) cannot be imported by its "
+                "path, and parallel.executor 'process' rebuilds the stack in another "
+                "process; define the class at module level of an importable module"
+            )
+
+
+def _base_entries(config: EngineConfig, source: str) -> list[StackEntry]:
+    """The named (or default) stack's entries: classes found, options validated."""
+    specs = list(config.plugins) if config.plugins is not None else default_stack(config)
+    return [
+        _entry(config, spec, f"{with_line(source, config._lines, ('plugins', i))}: plugins[{i}]")
+        for i, spec in enumerate(specs)
+    ]
+
+
+def _finish(config: EngineConfig, entries: list[StackEntry], source: str) -> ResolvedStack:
+    """Insert the implied async layer and reject conflicts."""
+    stack = ResolvedStack(tuple(entries))
+    layers, schedulers = stack.with_role("async-layer"), stack.with_role("scheduler")
+    if config.scheduler.async_scheduling and not layers and schedulers:
+        implied = f"{source}: plugin 'async-scheduler' (implied by the stack)"
+        layer = _entry(config, PluginSpec(name="async-scheduler"), implied)
+        index = entries.index(schedulers[0]) + 1
+        stack = ResolvedStack((*entries[:index], layer, *entries[index:]))
+    if not config.scheduler.async_scheduling and layers:
+        raise PluginConfigError(
+            f"{source}: plugins: {layers[0].name} needs scheduler.async_scheduling: true"
+        )
+    _check_roles(config, stack, source)
+    _check_grammar(config, stack, source)
+    _check_process_paths(config, stack)
+    if not any("sample" in implemented_hooks(e.cls) for e in stack.entries):
+        raise PluginConfigError(
+            f"{source}: plugins: the stack has no sampler (no plugin implements "
+            "`sample`); add 'default-sampler'"
+        )
+    return stack
+
+
+def resolve_stack(config: EngineConfig, source: str | None = None) -> ResolvedStack:
+    """Resolve names to classes, validate options, add implied plugins, reject conflicts.
+
+    The async layer (`async-scheduler`) is inserted right after the scheduler when
+    `scheduler.async_scheduling` is true and the stack does not name an async layer.
+    Errors name the stack file's line and entry (`file:N: plugins[i]`)."""
+    source = source or config.source
+    return _finish(config, _base_entries(config, source), source)
+
+
+def _keep(config: EngineConfig, stack: ResolvedStack) -> ResolvedStack:
+    config._stack = stack
+    config.resolved_stack = [e.spec() for e in stack.entries]
+    return stack
+
+
+def stack_of(config: EngineConfig, source: str | None = None) -> ResolvedStack:
+    """The config's resolved stack: resolved on first use and kept on the config (with its
+    serialisable form in `config.resolved_stack`), or rebuilt from `resolved_stack` by
+    importing each class by path (a worker process), never discovered twice."""
+    if config._stack is not None:
+        return config._stack
+    if config.resolved_stack is not None:
+        entries = [_entry(config, s, f"plugin {s.name!r}") for s in config.resolved_stack]
+        config._stack = ResolvedStack(tuple(entries))
+        return config._stack
+    return _keep(config, resolve_stack(config, source))
+
+
+def _resolve_async(config: EngineConfig, executor_supports_async: bool) -> bool:
+    """Decide `async_scheduling`; with speculative decoding the drafter has a say, so the
+    stack is resolved here (once: it is kept on the config)."""
+    requested, incompatible, entries = config.scheduler.async_scheduling, None, None
+    if not executor_supports_async:
+        incompatible = f"executor {config.parallel.executor!r} without async scheduling support"
+    elif config.parallel.pipeline_parallel_size > 1:
+        incompatible = "pipeline parallelism"
+    elif config.speculative is not None and requested is not False:
+        entries = _base_entries(config, config.source)
+        incompatible = ResolvedStack(tuple(entries)).async_incompatibility
+    if requested and incompatible:
+        raise ConfigError(f"scheduler.async_scheduling: true is not supported with {incompatible}")
+    if requested is None and incompatible:
+        logger.info("async scheduling disabled: %s", incompatible)
+    decided = not incompatible if requested is None else requested
+    if entries is not None:
+        config.scheduler.async_scheduling = decided
+        _keep(config, _finish(config, entries, config.source))
+    return decided
 
 
 def resolve_config(config: EngineConfig, executor_supports_async: bool = True) -> EngineConfig:
-    """Return a copy with every `None` that has a computable value filled in."""
+    """Return a copy with every `None` that has a computable value filled in (the stack
+    itself is resolved on first use, `stack_of`)."""
     config = config.model_copy(deep=True)
+    config._stack, config.resolved_stack = None, None
     model = config.model
-    if model.model == "scripted":
-        if model.vocab_size is None:
-            model.vocab_size = SCRIPTED_DEFAULT_VOCAB
-        if model.eos_token_id is None:
-            model.eos_token_id = SCRIPTED_DEFAULT_EOS
-        if model.max_model_len is None:
-            model.max_model_len = SCRIPTED_DEFAULT_MAX_MODEL_LEN
-    else:
-        _resolve_real_model(config)
+    model_loader_for(model.model).resolve_limits(config)
     if model.max_model_len is None:
         raise ConfigError("model.max_model_len: could not be determined; set it explicitly")
     if config.cache.num_kv_blocks is None:
@@ -159,11 +338,9 @@ def resolve_config(config: EngineConfig, executor_supports_async: bool = True) -
             f"{config.cache.block_size} tokens hold {capacity} tokens, fewer than "
             f"max_model_len ({model.max_model_len}); one request could never finish"
         )
-    if (
-        config.speculative
-        and config.speculative.prompt_lookup_min > config.speculative.prompt_lookup_max
-    ):
+    spec = config.speculative
+    if spec and spec.prompt_lookup_min > spec.prompt_lookup_max:
         raise ConfigError("speculative.prompt_lookup_min must be <= speculative.prompt_lookup_max")
-    config.scheduler.async_scheduling = resolve_async_scheduling(config, executor_supports_async)
+    config.scheduler.async_scheduling = _resolve_async(config, executor_supports_async)
     resolve_worker_threads(config)
     return config

@@ -39,6 +39,7 @@ class DraftModelOptions(BaseModel):
 
 class DraftModelDrafter:
     role: ClassVar[str] = "drafter"
+    speculative_methods: ClassVar[tuple[str, ...]] = ("draft_model",)
     Options: ClassVar[type[BaseModel]] = DraftModelOptions
     aligned_drafts: ClassVar[bool] = True
 

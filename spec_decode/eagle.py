@@ -73,6 +73,7 @@ def _target_parts(target: Any) -> tuple[torch.nn.Module, torch.nn.Module, Any, A
 
 class EagleDrafter:
     role: ClassVar[str] = "drafter"
+    speculative_methods: ClassVar[tuple[str, ...]] = ("eagle",)
     Options: ClassVar[type[BaseModel]] = EagleDrafterOptions
     #: Drafts are token ids the worker knows right after sampling (async-compatible).
     aligned_drafts: ClassVar[bool] = True

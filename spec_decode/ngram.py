@@ -44,6 +44,7 @@ class NgramDrafter(TandemPlugin):
     """Prompt-lookup drafting over prompt + output, vectorised across the batch."""
 
     role: ClassVar[str] = "drafter"
+    speculative_methods: ClassVar[tuple[str, ...]] = ("ngram",)
     aligned_drafts: ClassVar[bool] = True
     Options = NoOptions
 

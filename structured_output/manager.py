@@ -59,7 +59,7 @@ from tandem.core import hookimpl
 from tandem.core.config import EngineConfig
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.outputs import PluginFinish
-from tandem.core.plugin_manager import PluginConfigError, TandemPlugin
+from tandem.core.plugin_manager import TandemPlugin
 from tandem.core.request import Request, RequestRejectedError, RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.structured_output.backend import (
@@ -98,6 +98,8 @@ class StructuredOutputManager(TandemPlugin):
     """Owns per-request grammar state, the compile pool and cache, and the batch bitmask."""
 
     role = "grammar"
+    grammar_backends = ("auto", *BACKEND_NAMES)  # auto: the first of AUTO_ORDER that enforces
+    needs_tokenizer = True
 
     class Options(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -112,10 +114,6 @@ class StructuredOutputManager(TandemPlugin):
     def __init__(self, config: EngineConfig, options: BaseModel) -> None:
         super().__init__(config, options)
         assert isinstance(options, StructuredOutputManager.Options)
-        if config.model.model == "scripted":
-            raise PluginConfigError(
-                "structured-output: needs a model with a tokenizer (the scripted model has none)"
-            )
         self.default_backend = options.backend or config.structured_output.backend
         self.compile_timeout_s = options.compile_timeout_s
         self.vocab_size = int(config.model.vocab_size or 0)

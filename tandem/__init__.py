@@ -11,10 +11,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tandem.core.config import EngineConfig, load_config
+    from tandem.core.config import EngineConfig
     from tandem.llm import LLM
     from tandem.outputs import CompletionOutput, RequestOutput
     from tandem.sampling_params import SamplingParams
+    from tandem.stack_file import load_config
 
 #: Public name -> defining module. Imported on first use (PEP 562), so `import tandem` and
 #: the CLI's parser stay light: torch and transformers load when a model does.
@@ -24,7 +25,7 @@ _LAZY = {
     "EngineConfig": "tandem.core.config",
     "RequestOutput": "tandem.outputs",
     "SamplingParams": "tandem.sampling_params",
-    "load_config": "tandem.core.config",
+    "load_config": "tandem.stack_file",
 }
 
 

@@ -134,8 +134,8 @@ def run_hf(
     import torch
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-    from tandem.core.config import load_config
     from tandem.core.resolve import resolve_config
+    from tandem.stack_file import load_config
 
     torch.set_num_threads(threads)
     model_dir = resolve_config(load_config(None, model=model)).model.model

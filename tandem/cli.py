@@ -1,6 +1,7 @@
 """The `tandem` command line.
 
-tandem plugins list                 installed plugins: name, distribution, version, hooks
+tandem plugins list                 installed plugins: name, distribution, version, declared
+                                    capabilities, hooks, options; installed model loaders
 tandem plugins show NAME            one plugin's docs and option defaults
 tandem config show [STACK.yaml]     the resolved stack: order, who answers each hook, options
 tandem generate PROMPT...           generate (token ids with --token-ids on the scripted model)
@@ -29,26 +30,46 @@ def _firstresult_hooks() -> set[str]:
     return names
 
 
+def _declared(cls: type) -> str:
+    """The capabilities a plugin class declares (those differing from the defaults)."""
+    from tandem.core.plugin_manager import CAPABILITIES, TandemPlugin, capability
+
+    found = {name: capability(cls, name) for name in CAPABILITIES}
+    shown = [
+        f"{name}={', '.join(value) if isinstance(value, tuple) else value}"
+        for name, value in found.items()
+        if value != getattr(TandemPlugin, name)
+    ]
+    return "; ".join(shown) or "-"
+
+
 def cmd_plugins_list(args: argparse.Namespace) -> int:
-    """Every installed plugin; one that fails to import (even by calling `sys.exit`) is
-    listed as broken, with its error, and the others are still listed."""
+    """Every installed plugin with its declared capabilities; one that fails to import
+    (even by calling `sys.exit`) is listed as broken, with its error, and the others are
+    still listed. Then the installed model loaders and the kinds they declare."""
     from tandem.core.plugin_manager import discover_plugins, implemented_hooks, load_plugin_class
+    from tandem.core.worker.model_loader import model_loaders
 
     broken = []
     for name, info in sorted(discover_plugins().items()):
         try:
             cls = load_plugin_class(name)
             hooks = ", ".join(sorted(implemented_hooks(cls)))
+            declares = _declared(cls)
             options = getattr(cls, "Options", None)
             schema = (
                 json.dumps(options.model_json_schema().get("properties", {})) if options else "{}"
             )
         except Exception as exc:  # import errors arrive as ConfigError; a bad Options model too
-            hooks, schema = f"ERROR: {exc}", "-"
+            hooks, declares, schema = f"ERROR: {exc}", "-", "-"
             broken.append(name)
         print(f"{name}  ({info.distribution} {info.version})  [{info.value}]")
-        print(f"    hooks:   {hooks}")
-        print(f"    options: {schema}")
+        print(f"    declares: {declares}")
+        print(f"    hooks:    {hooks}")
+        print(f"    options:  {schema}")
+    for kind, loader in sorted(model_loaders().items()):
+        tokenizer = "with tokenizer" if loader.has_tokenizer else "no tokenizer"
+        print(f"model loader {kind}: {loader.__module__}:{loader.__qualname__} ({tokenizer})")
     if broken:
         print(f"tandem: broken plugin(s), not usable: {', '.join(broken)}", file=sys.stderr)
     return 0
@@ -66,37 +87,34 @@ def cmd_plugins_show(args: argparse.Namespace) -> int:
     if options is not None:
         print("\noptions (defaults):")
         print(json.dumps(options().model_dump(), indent=2, default=str))
-    print("\nhooks:", ", ".join(sorted(implemented_hooks(cls))))
+    print("\ndeclares:", _declared(cls))
+    print("hooks:", ", ".join(sorted(implemented_hooks(cls))))
     return 0
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    from tandem.core.config import load_config
-    from tandem.core.plugin_manager import (
-        implemented_hooks,
-        resolve_stack,
-        stack_entry_location,
-        validate_options,
-    )
-    from tandem.core.resolve import resolve_config
+    from tandem.core.plugin_manager import implemented_hooks
+    from tandem.core.resolve import resolve_config, stack_of
+    from tandem.stack_file import load_config
 
     config = resolve_config(load_config(args.stack, **_overrides(args)))
     source = args.stack or "<defaults>"
-    resolved = resolve_stack(config, source)
+    resolved = stack_of(config, source)
     firstresult = _firstresult_hooks()
     print(f"# resolved stack from {source}")
     print(f"# {_threads_line(config)}")
-    print(json.dumps(config.model_dump(exclude={"plugins"}), indent=2))
+    print(json.dumps(config.model_dump(exclude={"plugins", "resolved_stack"}), indent=2))
     print("plugins (call order):")
     answers: dict[str, str] = {}
-    for i, (spec, cls) in enumerate(resolved):
-        options = validate_options(spec, cls, stack_entry_location(config, spec, source))
-        hooks = sorted(implemented_hooks(cls))
+    for i, entry in enumerate(resolved.entries):
+        hooks = sorted(implemented_hooks(entry.cls))
         for hook in hooks:
             if hook in firstresult:
-                answers.setdefault(hook, spec.name)
-        print(f"  {i}. {spec.name}  options={json.dumps(options.model_dump(), default=str)}")
+                answers.setdefault(hook, entry.name)
+        options = json.dumps(entry.options.model_dump(), default=str)
+        print(f"  {i}. {entry.name}  options={options}")
         print(f"     hooks: {', '.join(hooks)}")
+        print(f"     declares: {_declared(entry.cls)}")
     print("firstresult hooks answered by:")
     for hook in sorted(firstresult):
         print(f"  {hook}: {answers.get(hook, '(nobody)')}")

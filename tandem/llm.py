@@ -12,14 +12,16 @@ from typing import Any
 
 import numpy as np
 
-from tandem.core.config import ConfigError, EngineConfig, load_config
+from tandem.core.config import ConfigError, EngineConfig
 from tandem.core.engine_core import EngineCore
 from tandem.core.executor import executor_class
 from tandem.core.request import Request, RequestRejectedError
 from tandem.core.resolve import resolve_config
+from tandem.core.worker.model_loader import model_loader_for
 from tandem.output_processor import OutputProcessor
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams, SamplingParamsError
+from tandem.stack_file import load_config
 
 PromptType = str | Sequence[int] | dict[str, Any]
 #: `use_tqdm`: True (tqdm's bar), False, or a callable that makes the bar (vLLM's shape,
@@ -36,7 +38,15 @@ class LLM:
     name (`max_num_seqs=64`, `async_scheduling=False`, `allow_download=True`, ...).
     `model` is `"default"` (the embedded SmolLM2), an HF directory, a `.gguf` file, a
     Hugging Face hub id from the local hub cache, or `"scripted"` (the deterministic test
-    model, token-id prompts only).
+    model, token-id prompts only). A model without tokenizer (its loader says so) takes
+    token-id prompts and has no generation defaults.
+
+    Plugins: `plugins=[...]` replaces the default stack; each entry is an installed
+    plugin's name, an import path `"module:Class"`, a plugin class (registered by class,
+    e.g. one under test, not yet packaged), or a `(name_or_class, options_dict)` pair, e.g.
+    `LLM(model="scripted", plugins=[MyScheduler, ("default-sampler", {})])`. With
+    `executor="process"` a class travels to the worker as its import path, so it must be
+    defined at module level of an importable module (else a `PluginConfigError` naming it).
 
     Threads: the worker's torch threads resolve to `worker_num_threads` if given, else
     `OMP_NUM_THREADS`, else the CPUs this process may use. With the in-process (default)
@@ -54,11 +64,12 @@ class LLM:
         executor_cls = executor_class(user_config.parallel.executor)
         supports_async = executor_cls.supports_async_scheduling if executor_cls else False
         self.config = resolve_config(user_config, executor_supports_async=supports_async)
+        self._loader = model_loader_for(self.config.model.model)
         self._generation_defaults = self._load_generation_defaults()
         source = str(config) if isinstance(config, (str, Path)) else "<config>"
         self.engine = EngineCore(self.config, source=source)
         self.tokenizer = None
-        if self.config.model.model != "scripted":
+        if self._loader.has_tokenizer:
             from tandem.core.worker.model_files import load_tokenizer
 
             self.tokenizer = load_tokenizer(Path(self.config.model.model))
@@ -83,7 +94,7 @@ class LLM:
         from tandem.core.worker.model_files import generation_defaults
 
         choice = self.config.model.generation_config
-        if choice == "vllm" or (choice == "auto" and self.config.model.model == "scripted"):
+        if choice == "vllm" or (choice == "auto" and not self._loader.has_tokenizer):
             return {}
         directory = Path(self.config.model.model if choice == "auto" else choice).expanduser()
         if choice != "auto" and not (directory / "generation_config.json").exists():

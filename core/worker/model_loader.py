@@ -1,42 +1,139 @@
-"""Choosing the `StepModel` a config asks for."""
+"""Model loaders: which loader claims a model, what it declares, and the HF/GGUF loader.
+
+A loader is a class found through the entry-point group `tandem.model_loaders`. It declares,
+as class attributes read without an instance:
+
+- `model_kinds`: the kinds it loads. A config's `model.model` that equals a declared kind
+  (e.g. `scripted`, the test model's loader in `tandem.testing`) is that kind; anything
+  else (a directory, a `.gguf` file, a hub id, `default`) is the kind `hf`.
+- `has_tokenizer`: the model comes with a tokenizer (and a generation config) in the
+  directory `model.model` resolves to, so text prompts and grammars work.
+- `simulatable`: its forward costs next to nothing, so the simulated executor may model the
+  device's time on top of it.
+
+and two class methods: `resolve_limits(config)` fills `vocab_size`, `eos_token_id`,
+`max_model_len` (and may size `num_kv_blocks`) from the model, before the stack resolves;
+`load(config)` builds the `StepModel` with a paged cache of `cache.num_kv_blocks`.
+"""
 
 from __future__ import annotations
 
-from tandem.core.config import ConfigError, EngineConfig
-from tandem.core.worker.model_runner import StepModel
-from tandem.core.worker.scripted_model import ScriptedModel
+import logging
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
-SCRIPTED = "scripted"
+from tandem.core.config import ConfigError, EngineConfig
+
+if TYPE_CHECKING:
+    from tandem.core.worker.model_runner import StepModel
+
+logger = logging.getLogger("tandem.config")
+
+MODEL_LOADER_GROUP = "tandem.model_loaders"
+#: The kind of every model no loader claims by name: HF directories, GGUF files, hub ids.
+HF_KIND = "hf"
+
+
+class ModelLoader(Protocol):
+    model_kinds: ClassVar[tuple[str, ...]]
+    has_tokenizer: ClassVar[bool]
+    simulatable: ClassVar[bool]
+
+    @classmethod
+    def resolve_limits(cls, config: EngineConfig) -> None: ...
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> StepModel: ...
+
+
+def model_loaders() -> dict[str, type[ModelLoader]]:
+    """Every installed loader, by each kind it declares."""
+    from tandem.core.plugin_manager import plugin_entry_points
+
+    loaders: dict[str, type[ModelLoader]] = {}
+    for ep in plugin_entry_points(MODEL_LOADER_GROUP):
+        try:
+            cls = ep.load()
+        except Exception as exc:  # one broken loader must not hide the others
+            logger.warning("model loader %r (%s) failed to import: %s", ep.name, ep.value, exc)
+            continue
+        for kind in cls.model_kinds:
+            loaders.setdefault(kind, cls)
+    return loaders
+
+
+def model_loader_for(model: str) -> type[ModelLoader]:
+    """The loader that claims `model` (see the module docstring)."""
+    loaders = model_loaders()
+    loader = loaders.get(model) or loaders.get(HF_KIND)
+    if loader is None:
+        raise ConfigError(
+            f"model.model: no installed model loader claims {model!r} (entry-point group "
+            f"{MODEL_LOADER_GROUP!r}; kinds: {', '.join(sorted(loaders)) or 'none'})"
+        )
+    return loader
 
 
 def load_step_model(config: EngineConfig) -> StepModel:
     """Build the model for `config.model.model` with a paged cache of `cache.num_kv_blocks`."""
-    num_blocks = config.cache.num_kv_blocks
-    if num_blocks is None:
+    if config.cache.num_kv_blocks is None:
         raise ConfigError("cache.num_kv_blocks must be resolved before the model is loaded")
-    if config.model.model == SCRIPTED:
-        assert config.model.vocab_size is not None
-        return ScriptedModel(
-            vocab_size=config.model.vocab_size,
-            num_blocks=num_blocks,
-            block_size=config.cache.block_size,
+    return model_loader_for(config.model.model).load(config)
+
+
+class HFModelLoader:
+    """Hugging Face directories, `.gguf` files (converted once), hub ids from the local hub
+    cache, and `default` (the embedded SmolLM2): real transformers run paged."""
+
+    model_kinds: ClassVar[tuple[str, ...]] = (HF_KIND,)
+    has_tokenizer: ClassVar[bool] = True
+    simulatable: ClassVar[bool] = False
+
+    @classmethod
+    def resolve_limits(cls, config: EngineConfig) -> None:
+        """Vocabulary, EOS, max_model_len and the KV pool size from the model's files; the
+        model path becomes its resolved directory."""
+        import torch
+
+        from tandem.core.worker.hf_model import kv_bytes_per_token, resolve_dtype
+        from tandem.core.worker.model_files import load_hf_config, resolve_model_dir
+
+        model = config.model
+        model_dir = resolve_model_dir(model.model, allow_download=model.allow_download)
+        model.model = str(model_dir)
+        hf = load_hf_config(model_dir)
+        model.vocab_size = hf.vocab_size
+        if model.eos_token_id is None:
+            eos = getattr(hf, "eos_token_id", None)
+            model.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        if model.max_model_len is None:
+            model.max_model_len = int(getattr(hf, "max_position_embeddings", 2048))
+        if config.cache.num_kv_blocks is None:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            per_token = kv_bytes_per_token(hf, resolve_dtype(model.dtype, device))
+            budget = int(config.cache.kv_cache_memory_gib * (1 << 30))
+            config.cache.num_kv_blocks = max(1, budget // (per_token * config.cache.block_size))
+            capacity = config.cache.num_kv_blocks * config.cache.block_size
+            model.max_model_len = min(model.max_model_len, capacity)
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> StepModel:
+        import torch
+
+        from tandem.core.worker.cpu_kernels import paged_decode_kernel
+        from tandem.core.worker.hf_model import HFStepModel, resolve_dtype
+        from tandem.core.worker.model_files import resolve_model_dir
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = resolve_dtype(config.model.dtype, device)
+        use_kernel = (
+            config.model.attention == "auto" and device.type == "cpu" and dtype == torch.float32
         )
-    import torch
-
-    from tandem.core.worker.cpu_kernels import paged_decode_kernel
-    from tandem.core.worker.hf_model import HFStepModel, resolve_dtype
-    from tandem.core.worker.model_files import resolve_model_dir
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = resolve_dtype(config.model.dtype, device)
-    use_kernel = (
-        config.model.attention == "auto" and device.type == "cpu" and dtype == torch.float32
-    )
-    return HFStepModel(
-        model_dir=resolve_model_dir(config.model.model),
-        dtype=dtype,
-        num_blocks=num_blocks,
-        block_size=config.cache.block_size,
-        device=device,
-        decode_kernel=paged_decode_kernel() if use_kernel else None,
-    )
+        assert config.cache.num_kv_blocks is not None
+        return HFStepModel(
+            model_dir=resolve_model_dir(config.model.model),
+            dtype=dtype,
+            num_blocks=config.cache.num_kv_blocks,
+            block_size=config.cache.block_size,
+            device=device,
+            decode_kernel=paged_decode_kernel() if use_kernel else None,
+        )

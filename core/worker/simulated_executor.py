@@ -19,6 +19,7 @@ from tandem.core.config import ConfigError, EngineConfig, SimulatedDeviceConfig
 from tandem.core.executor import Executor
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.worker.model_loader import model_loader_for
 from tandem.core.worker.worker import Worker
 
 
@@ -45,9 +46,10 @@ class SimulatedExecutor(Executor):
     """Executes the scripted model on a device thread that sleeps for each step's modelled time."""
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.model.model != "scripted":
+        if not model_loader_for(config.model.model).simulatable:
             raise ConfigError(
-                "parallel.executor: 'simulated' runs the scripted model only (model: scripted)"
+                "parallel.executor: 'simulated' runs only a model whose loader declares "
+                f"`simulatable` (e.g. model: scripted), not {config.model.model!r}"
             )
         self.cost = config.parallel.simulated_device
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-sim-device")

@@ -1,4 +1,4 @@
-"""A worker: its own plugin manager (rebuilt from the resolved stack), a model, a runner."""
+"""A worker: its own plugin manager (over the config's resolved stack), a model, a runner."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ import torch
 from tandem.core.config import EngineConfig
 from tandem.core.model_runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 from tandem.core.plugin_manager import TandemPluginManager
-from tandem.core.resolve import set_worker_threads
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.model_loader import load_step_model
 from tandem.core.worker.model_runner import ModelRunner, StepModel
+from tandem.core.worker.threads import set_worker_threads
 
 
 class Worker:
     """Runs steps for the engine. Built from the config alone, so it can live in another
-    thread or process: no live plugin object is shared with the engine."""
+    thread or process: no live plugin object is shared with the engine. In another process
+    the stack is rebuilt from `config.resolved_stack` (classes imported by path)."""
 
     def __init__(self, config: EngineConfig, model: StepModel | None = None) -> None:
         set_worker_threads(config)
@@ -28,10 +29,7 @@ class Worker:
             block_size=config.cache.block_size,
             num_spec_tokens=config.num_spec_tokens,
             async_scheduling=bool(config.scheduler.async_scheduling),
-            keep_hidden_states=any(
-                getattr(p, "needs_hidden_states", False)
-                for p in self.plugin_manager.plugins_with_role("drafter")
-            ),
+            keep_hidden_states=self.plugin_manager.resolved.needs_hidden_states,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:

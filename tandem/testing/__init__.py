@@ -1,6 +1,8 @@
-"""Test kit for tandem and its plugin authors: the scripted model, engine builders, the
-reference output of the scripted model, the invariant checker, and the scheduler plugin
-conformance suite (`tandem.testing.conformance`: `run_conformance(NAME)`, or
+"""Test kit for tandem and its plugin authors: the scripted model (and its loader), engine
+builders, the reference output of the scripted model, the invariant checker, the plugin
+doubles (`scripted-drafter`, `fake-grammar`, `fault-sampler`: registered by class when this
+package is imported, see `tandem.testing.doubles`), the scheduler plugin conformance suite
+(`tandem.testing.conformance`: `run_conformance(NAME or class)`, or
 `pytest -p tandem --tandem-conformance NAME`), and the grammar-backend conformance check
 (`run_grammar_conformance(BACKEND)`, or `pytest -p tandem --tandem-grammar-conformance
 BACKEND`).
@@ -20,6 +22,7 @@ from tandem.testing.conformance import (
     reference_outputs,
     run_conformance,
 )
+from tandem.testing.doubles import TEST_PLUGINS, register_test_plugins
 from tandem.testing.engine import (
     collect_outputs,
     expected_scripted_output,
@@ -34,6 +37,8 @@ from tandem.testing.grammar_conformance import (
     run_grammar_conformance,
 )
 
+register_test_plugins()
+
 __all__ = [
     "CHECKS",
     "ConformanceError",
@@ -42,6 +47,7 @@ __all__ = [
     "GrammarConformanceReport",
     "InvariantViolation",
     "ScriptedModel",
+    "TEST_PLUGINS",
     "check_conformance",
     "check_invariants",
     "collect_outputs",
@@ -51,6 +57,7 @@ __all__ = [
     "make_scripted_engine",
     "make_scripted_llm",
     "reference_outputs",
+    "register_test_plugins",
     "run_conformance",
     "run_grammar_conformance",
     "scripted_config",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tandem.core.config import EngineConfig, load_config
+from tandem.core.config import EngineConfig
 from tandem.core.engine_core import EngineCore
 from tandem.core.executor import Executor
 from tandem.core.outputs import EngineCoreOutput
@@ -12,6 +12,7 @@ from tandem.core.request import Request
 from tandem.core.resolve import resolve_config
 from tandem.core.worker.scripted_model import scripted_next_token
 from tandem.sampling_params import SamplingParams
+from tandem.stack_file import load_config
 
 if TYPE_CHECKING:
     from tandem.llm import LLM

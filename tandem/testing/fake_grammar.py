@@ -54,6 +54,7 @@ def verified_drafts(scheduled: list[int], kept: list[int]) -> list[int]:
 
 class FakeGrammar(TandemPlugin):
     role = "grammar"
+    grammar_backends = ("fake",)
 
     def __init__(self, config: EngineConfig, options) -> None:  # noqa: ANN001
         super().__init__(config, options)

@@ -10,7 +10,8 @@ Conformance (see `tandem.testing.conformance`)::
         [--tandem-conformance-options '{"option": "value"}']
 
 adds one item per (check, mode) for each scheduler plugin NAME (an entry point of the
-group `tandem.plugins`), with ids like `tandem-conformance[NAME]::greedy-parity[async]`.
+group `tandem.plugins`, or a class by its import path `module:Class`), with ids like
+`tandem-conformance[NAME]::greedy-parity[async]`.
 It works in any directory, even an empty one (the items do not come from files; tests
 collected from files run as usual beside them). `--tandem-conformance-options` is a JSON
 object of plugin options given to every NAME. `-k` selects items as usual, e.g.
@@ -26,6 +27,9 @@ adds one item per (schema case, mode) for each grammar BACKEND (`xgrammar`, `out
 `auto`, or a grammar plugin's entry-point name), with ids like
 `tandem-grammar-conformance[outlines]::int-bounds[async]`; the corpus runs on the
 embedded SmolLM2 once per backend, at its first item.
+
+The test kit's plugin doubles (`scripted-drafter`, `fake-grammar`, `fault-sampler`) are
+registered by class in every session (`tandem.testing.doubles`), so stacks name them.
 
 Fixtures:
 - `scripted_engine_factory`: build an `EngineCore` on the scripted model with invariant
@@ -57,7 +61,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         metavar="NAME",
         help="run the tandem conformance checks on the scheduler plugin NAME "
-        "(entry point of tandem.plugins); repeatable",
+        "(an installed plugin's name, or a class as module:Class); repeatable",
     )
     group.addoption(
         "--tandem-grammar-conformance",
@@ -95,6 +99,9 @@ def _conformance_options(config: pytest.Config) -> dict[str, Any]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from tandem.testing.doubles import register_test_plugins
+
+    register_test_plugins()  # the doubles resolve by name in every session (idempotent)
     if config.getoption("tandem_conformance", None):
         _conformance_options(config)  # a usage error before anything runs
 

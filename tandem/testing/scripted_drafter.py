@@ -29,6 +29,7 @@ class ScriptedDrafterOptions(BaseModel):
 
 class ScriptedDrafter:
     role: ClassVar[str] = "drafter"
+    speculative_methods: ClassVar[tuple[str, ...]] = ("scripted",)
     aligned_drafts: ClassVar[bool] = True
     Options: ClassVar[type[BaseModel]] = ScriptedDrafterOptions
 

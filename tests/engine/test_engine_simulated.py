@@ -56,8 +56,9 @@ def test_cost_model_is_the_slower_of_compute_and_memory() -> None:
 
 
 def test_simulated_executor_refuses_a_real_model() -> None:
-    from tandem.core.config import ConfigError, load_config
+    from tandem.core.config import ConfigError
     from tandem.core.worker.simulated_executor import SimulatedExecutor as Sim
+    from tandem.stack_file import load_config
 
     config = load_config(None, model="/nonexistent", executor="simulated")
     with pytest.raises(ConfigError, match="scripted"):

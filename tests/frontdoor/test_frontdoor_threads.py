@@ -15,9 +15,9 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.cli import main as cli_main
-from tandem.core import resolve
-from tandem.core.config import load_config
 from tandem.core.resolve import resolve_config
+from tandem.core.worker import threads
+from tandem.stack_file import load_config
 
 STACK = Path(__file__).resolve().parents[2] / "examples" / "stacks" / "scripted-sync.yaml"
 
@@ -87,7 +87,7 @@ def test_inprocess_worker_sets_the_process_threads_and_logs_once(
 ) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    monkeypatch.setattr(resolve, "_announced_threads", None)
+    monkeypatch.setattr(threads, "_announced_threads", None)
     with caplog.at_level(logging.INFO, logger="tandem.config"):
         LLM(model="scripted", worker_num_threads=2)
         assert torch.get_num_threads() == 2

@@ -43,4 +43,4 @@ def test_a_directory_removed_from_sys_path_is_forgotten(tmp_path: Path) -> None:
     finally:
         sys.path.remove(str(tmp_path))
     assert "passing-plugin" not in discover_plugins()
-    assert plugin_manager._scan is not None
+    assert plugin_manager._scans.get(plugin_manager.ENTRY_POINT_GROUP) is not None

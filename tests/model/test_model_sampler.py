@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.core.config import load_config
 from tandem.core.worker.model_runner import ModelRunner, RunnerRequestState
 from tandem.core.worker.sampling_metadata import SamplingMetadata
 from tandem.llm import LLM
 from tandem.plugins.default_sampler import DefaultSampler, apply_penalties
 from tandem.sampling_params import SamplingParams
+from tandem.stack_file import load_config
 from tandem.testing.tiny_model import TINY_VOCAB
 
 TINY_EOS = 2

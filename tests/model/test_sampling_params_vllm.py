@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.core.config import load_config
 from tandem.core.worker.input_batch import InputBatch, seed_as_int64
 from tandem.core.worker.sampling_metadata import SamplingMetadata
 from tandem.llm import LLM
@@ -27,6 +26,7 @@ from tandem.sampling_params import (
     SamplingParamsError,
     validate_for_model,
 )
+from tandem.stack_file import load_config
 from tandem.testing.engine import (
     collect_outputs,
     make_request,

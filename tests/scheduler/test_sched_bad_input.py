@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 
 from tandem import LLM
-from tandem.core.config import ConfigError, load_config
+from tandem.core.config import ConfigError
 from tandem.core.engine_core import EngineCore
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.resolve import resolve_config
 from tandem.sampling_params import SamplingParams, SamplingParamsError
+from tandem.stack_file import load_config
 from tandem.testing import (
     collect_outputs,
     expected_scripted_output,

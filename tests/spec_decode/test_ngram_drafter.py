@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from tandem.core.config import load_config
 from tandem.core.worker.draft_context import DraftContext
 from tandem.spec_decode.ngram import NgramDrafter
+from tandem.stack_file import load_config
 
 
 def drafter(k: int = 3, min_n: int = 1, max_n: int = 3) -> NgramDrafter:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.core.config import load_config
 from tandem.core.plugin_manager import NoOptions
 from tandem.core.worker.sampling_metadata import SamplingMetadata
 from tandem.plugins.default_sampler import DefaultSampler
 from tandem.spec_decode.rejection_sampler import rejection_sample
+from tandem.stack_file import load_config
 
 V = 6
 N = 200_000

@@ -9,14 +9,21 @@ from typing import Any
 
 import pytest
 
-from tandem.core.config import ConfigError, load_config
+from tandem.core.config import ConfigError
 from tandem.core.engine_core import EngineCore
-from tandem.core.plugin_manager import DRAFTER_FOR_METHOD, default_stack, resolve_stack
-from tandem.core.resolve import resolve_config
+from tandem.core.resolve import default_stack, resolve_config, resolve_stack
+from tandem.stack_file import load_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "stacks"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 SCHED_SAMPLER = [{"name": "reference-scheduler"}, {"name": "default-sampler"}]
+#: The installed drafter that declares each method (`speculative_methods`).
+DRAFTER_FOR_METHOD = {
+    "ngram": "ngram-drafter",
+    "eagle": "eagle-drafter",
+    "draft_model": "draft-model-drafter",
+    "scripted": "scripted-drafter",
+}
 
 
 def scripted(**overrides: Any) -> Any:
@@ -103,10 +110,10 @@ def test_every_example_stack_loads_and_resolves(path: Path) -> None:
     found, options validate, speculative and drafter agree)."""
     config = load_config(path)
     resolved = resolve_stack(config, str(path))
-    names = [spec.name for spec, _ in resolved]
+    names = [entry.name for entry in resolved.entries]
     assert names[0] == "reference-scheduler" or "scheduler" in names[0]
     if config.speculative is not None:
-        assert any(getattr(cls, "role", None) == "drafter" for _, cls in resolved)
+        assert any(getattr(entry.cls, "role", None) == "drafter" for entry in resolved.entries)
 
 
 def test_ngram_example_stacks_differ_only_in_async_scheduling() -> None:

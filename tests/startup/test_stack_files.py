@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.core.config import ConfigError, load_config
+from tandem.core.config import ConfigError
 from tandem.core.worker.model_files import cache_root
+from tandem.stack_file import load_config
 
 STACKS = Path(__file__).resolve().parents[2] / "examples" / "stacks"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from tandem import LLM, SamplingParams
 from tandem.cli import main as tandem_cli
-from tandem.core.config import load_config
 from tandem.core.engine_core import EngineCore
 from tandem.core.plugin_manager import discover_plugins, load_plugin_class
 from tandem.core.resolve import resolve_config
+from tandem.stack_file import load_config
 from tandem.testing import collect_outputs, expected_scripted_output
 
 from _helpers import EOS, STACK, VOCAB, expected, prompt, req, scheduler_of

@@ -9,11 +9,11 @@ turns them into vLLM's `Logprob` objects with decoded tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from tandem.core.outputs import TokenLogprobs
-from tandem.core.worker.logprobs import logprobs_per_request
 
 
 @dataclass(slots=True)
@@ -36,11 +36,11 @@ class ModelRunnerOutput:
     """Per-request results of one step, on the host.
 
     `sampled_token_ids[i]` are the new tokens of `req_ids[i]` (empty for a prefill chunk
-    that does not sample). `draft_token_ids` carries the drafts proposed for the next step
-    under synchronous scheduling; the scheduler schedules them. Under async scheduling the
-    scheduler keeps `-1` placeholders and `draft_token_ids` is None; `kept_draft_token_ids`
-    then reports, for information only, the drafts the worker will substitute for those
-    placeholders in the next step (a grammar backend needs them for its draft rows).
+    that does not sample). `draft_token_ids` is the drafter's proposal for the next step of
+    each request that sampled (None without a drafter), under both scheduling modes: the
+    scheduler records it as `Request.draft_token_ids`; under synchronous scheduling it
+    schedules those drafts, under async scheduling `-1` placeholders for which the worker
+    substitutes this same proposal (`drafts_to_verify`).
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -48,7 +48,6 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[TokenLogprobs] | None] | None = None
     draft_token_ids: dict[str, list[int]] | None = None
-    kept_draft_token_ids: dict[str, list[int]] | None = None
     #: Requests whose sampling failed this step, with the reason: the kernel ends each with
     #: `finish_reason == "error"` before `update_from_output` (their tokens are dummies).
     failed: dict[str, str] = field(default_factory=dict)
@@ -58,55 +57,19 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
 
 
-@dataclass(slots=True)
-class AsyncModelRunnerOutput:
-    """One step's results under async scheduling, before the device-to-host copy is waited on.
+@runtime_checkable
+class AsyncModelRunnerOutput(Protocol):
+    """A step's output whose device-to-host copy may still be running.
 
-    The worker returns it from `sample_tokens` right after starting the copy of the sampled
-    ids (and logprobs) to host memory (on CUDA: on a separate copy stream, `copy_done`
-    recorded after it). `get_output()` waits for that copy and builds the
-    `ModelRunnerOutput`; the engine calls it when it collects the step, so the worker never
-    blocks on the copy before running the next step. Host tensors are never reused, so
-    nothing can overwrite them before `get_output()` reads them.
+    The worker may return one from `sample_tokens` instead of a `ModelRunnerOutput` (async
+    scheduling without a drafter: `tandem.core.worker.async_output`). `get_output()` waits
+    for the copy and returns the host result; the engine calls it only when it collects
+    the step, so the worker is never blocked on the copy.
     """
 
-    req_ids: list[str]
-    sample_req_indices: list[int]
-    num_top_logprobs: list[int | None]
-    sampled_token_ids: torch.Tensor  # host [num_sampling_requests, 1], possibly in flight
-    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    copy_done: torch.cuda.Event | None = None
-    failed: dict[str, str] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
-
-    def get_output(self) -> ModelRunnerOutput:
-        if self.copy_done is not None:
-            self.copy_done.synchronize()
-        sampled_rows: list[list[int]] = [[] for _ in self.req_ids]
-        for r, token in zip(
-            self.sample_req_indices, self.sampled_token_ids[:, 0].tolist(), strict=True
-        ):
-            sampled_rows[r] = [token]
-        logprobs = None
-        if self.logprobs is not None:
-            logprobs = logprobs_per_request(
-                len(self.req_ids),
-                self.sample_req_indices,
-                [0] * len(self.sample_req_indices),
-                self.num_top_logprobs,
-                sampled_rows,
-                self.logprobs,
-            )
-        return ModelRunnerOutput(
-            req_ids=self.req_ids,
-            req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
-            sampled_token_ids=sampled_rows,
-            logprobs=logprobs,
-            failed=self.failed,
-            prompt_logprobs=self.prompt_logprobs,
-        )
+    def get_output(self) -> ModelRunnerOutput: ...
 
 
 def resolve_output(output: ModelRunnerOutput | AsyncModelRunnerOutput) -> ModelRunnerOutput:
     """The host-side result of a step, waiting for its device-to-host copy if needed."""
-    return output.get_output() if isinstance(output, AsyncModelRunnerOutput) else output
+    return output if isinstance(output, ModelRunnerOutput) else output.get_output()

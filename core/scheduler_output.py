@@ -8,6 +8,7 @@ preempted ids tell the worker which cached state to drop.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.sampling_params import SamplingParams
@@ -33,7 +34,15 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class CachedRequestData:
-    """A running request the worker already holds: only what changed since last step."""
+    """A running request the worker already holds: only what changed since last step.
+
+    `num_computed_tokens` is the scheduler's count when it planned the step, a claim the
+    worker checks against its own count (advanced by what it executed, minus the drafts
+    it rejected) and never adopts. Under synchronous scheduling the two are equal. Under
+    async scheduling the scheduler may plan a step before it has processed the results of
+    the step in flight, so its count may exceed the worker's by the drafts of that step
+    the worker rejected, and by nothing else.
+    """
 
     req_id: str
     new_block_ids: list[int]
@@ -45,8 +54,11 @@ class SchedulerOutput:
     """What to run this step.
 
     `num_scheduled_tokens[req_id]` tokens of each request are computed, starting at the
-    request's `num_computed_tokens` as sent here (the value before this step's update).
-    Drafts to verify are in `scheduled_spec_decode_tokens` and are included in the count.
+    worker's count of its computed tokens (equal to `num_computed_tokens` as sent here,
+    the value before this step's update, up to the slack `CachedRequestData` states).
+    Drafts to verify are in `scheduled_spec_decode_tokens` and are included in the count:
+    real ids, or under async scheduling `-1` placeholders that the worker fills with its
+    latest proposal (`drafts_to_verify`).
     `pending_structured_output_tokens` asks the kernel to defer sampling one step.
     """
 
@@ -65,3 +77,16 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+def drafts_to_verify(scheduled: list[int], proposal: Sequence[int]) -> list[int]:
+    """The drafts the worker verifies for a request scheduled with `scheduled` drafts: the
+    scheduled ids themselves, or where they are `-1` placeholders (async scheduling) the
+    request's latest `proposal` (`Request.draft_token_ids`), cut to the scheduled count and
+    padded with token 0. The worker and the grammar backends both use it, so a grammar's
+    draft rows are the drafts verified. Padding never changes an output: a draft is
+    accepted only when it equals the target's own token."""
+    if not scheduled or scheduled[0] >= 0:
+        return list(scheduled)
+    drafts = list(proposal[: len(scheduled)])
+    return drafts + [0] * (len(scheduled) - len(drafts))

@@ -6,6 +6,9 @@ request contributes `num_scheduled_tokens` consecutive tokens at positions
 token t writes; `block_tables[r]` lists request r's blocks (padded with 0). Logits are
 computed only at `logits_indices`: the last `1 + num_drafts` tokens of each request that
 samples this step (a prefill chunk that does not reach the end of its known tokens does not).
+
+`prepare_flat_batch` builds it from the persistent `InputBatch` with a fixed number of
+tensor operations (gathers over index tensors); Python touches only per-request scalars.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from tandem.core.worker.block_table import slot_mapping
+from tandem.core.worker.host_tensors import host_int64
+from tandem.core.worker.input_batch import InputBatch
 
 
 @dataclass(slots=True)
@@ -32,6 +39,9 @@ class FlatBatch:
     #: Host copies, per request: the position of its first scheduled token, and its count.
     num_computed_tokens: list[int] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
+    #: Host: flat indices whose input id is an async placeholder (`-1`, a sampled id still
+    #: on the device); the runner fills them on the device before the forward.
+    placeholder_positions: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -42,70 +52,111 @@ class FlatBatch:
         return len(self.req_ids)
 
 
-def build_flat_batch(
+def prepare_flat_batch(
+    input_batch: InputBatch,
     req_ids: list[str],
-    token_ids: list[list[int]],
-    num_computed: list[int],
+    rows: list[int],
     num_scheduled: list[int],
-    drafts: list[list[int]],
-    block_ids: list[list[int]],
+    drafts: dict[str, list[int]],
     block_size: int,
     device: torch.device,
+    find_placeholders: bool = False,
 ) -> FlatBatch:
-    """Flatten per-request inputs. `token_ids[r]` are request r's known tokens; its input is
-    `(token_ids[r] + drafts[r])[num_computed[r] : num_computed[r] + num_scheduled[r]]`."""
-    flat_tokens: list[int] = []
-    positions: list[torch.Tensor] = []
-    logits_indices: list[int] = []
-    sample_req_indices: list[int] = []
-    num_draft_tokens: list[int] = []
-    draft_ids: list[int] = []
-    offset = 0
-    seq_lens = []
-    for r, (tokens, start, n, draft) in enumerate(
-        zip(token_ids, num_computed, num_scheduled, drafts, strict=True)
-    ):
-        end = start + n
-        known = len(tokens)
-        if end <= known:
-            flat_tokens.extend(tokens[start:end])
-        else:
-            flat_tokens.extend(tokens[start:])
-            flat_tokens.extend(draft[: end - known])
-        positions.append(torch.arange(start, end, dtype=torch.int64))
-        seq_lens.append(end)
-        if end >= known:  # reaches the last known token: this request samples
-            k = end - known
-            sample_req_indices.append(r)
-            num_draft_tokens.append(k)
-            draft_ids.extend(draft[:k])
-            logits_indices.extend(range(offset + n - 1 - k, offset + n))
-        offset += n
-    pos = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
-    max_blocks = max((len(b) for b in block_ids), default=0)
-    table = torch.zeros((len(req_ids), max(max_blocks, 1)), dtype=torch.int64)
-    for r, blocks in enumerate(block_ids):
-        if blocks:
-            table[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-    counts = torch.tensor(num_scheduled, dtype=torch.int64)
-    token_req = torch.repeat_interleave(torch.arange(len(req_ids)), counts)
-    block_of_token = table[token_req, pos // block_size]
-    slot_mapping = block_of_token * block_size + pos % block_size
-    query_start_loc = torch.zeros(len(req_ids) + 1, dtype=torch.int64)
-    query_start_loc[1:] = torch.cumsum(counts, 0)
+    """The step's inputs for `req_ids` (at `rows` of `input_batch`, in row order), each
+    running `num_scheduled[i]` tokens from its row's `num_computed_tokens`; `drafts[req]`
+    are the drafts a request verifies (exactly the tokens scheduled past its known ones).
+    `find_placeholders` lists the `-1` inputs in `placeholder_positions`.
+
+    Effects on `input_batch`: the drafts are written after each row's known tokens (the
+    step reads its inputs there), and each row's `num_computed_tokens` advances by its
+    scheduled count (`InputBatch.append_sampled` rolls rejected drafts back).
+    """
+    row_index = host_int64(rows)
+    start = input_batch.num_computed_tokens[row_index]
+    known = input_batch.num_tokens[row_index]
+    if drafts:
+        _write_drafts(input_batch, req_ids, rows, known, drafts)
+    if max(num_scheduled, default=1) == 1:  # one token each (decodes): token t is request t
+        req_index = torch.arange(len(rows), dtype=torch.int64)
+        positions, token_rows, end = start, row_index, start + 1
+        query_start_loc = torch.arange(len(rows) + 1, dtype=torch.int64)
+    else:
+        counts = host_int64(num_scheduled)
+        total = sum(num_scheduled)
+        query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=query_start_loc[1:])
+        req_index = torch.repeat_interleave(torch.arange(len(rows)), counts, output_size=total)
+        first_position = start - query_start_loc[:-1]
+        positions = torch.arange(total, dtype=torch.int64) + first_position[req_index]
+        token_rows, end = row_index[req_index], start + counts
+    input_ids = input_batch.token_ids[token_rows, positions]
+    table = input_batch.block_table.gather(row_index, rows)
+    slots = slot_mapping(table, req_index, positions, block_size)
+    input_batch.num_computed_tokens[row_index] = end
+    sample_req_indices, logits_indices, num_draft_tokens = _sampling_rows(
+        query_start_loc[1:], end - known, sum(len(d) for d in drafts.values())
+    )
     return FlatBatch(
         req_ids=req_ids,
-        input_ids=torch.tensor(flat_tokens, dtype=torch.int64, device=device),
-        positions=pos.to(device),
-        slot_mapping=slot_mapping.to(device),
+        input_ids=input_ids.to(device),
+        positions=positions.to(device),
+        slot_mapping=slots.to(device),
         query_start_loc=query_start_loc.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        seq_lens=end.to(device),
         block_tables=table.to(device),
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        logits_indices=logits_indices.to(device),
         sample_req_indices=sample_req_indices,
         num_draft_tokens=num_draft_tokens,
-        draft_token_ids=draft_ids,
+        draft_token_ids=[t for r in sample_req_indices for t in drafts.get(req_ids[r], ())],
         block_size=block_size,
-        num_computed_tokens=list(num_computed),
+        num_computed_tokens=start.tolist(),
         num_scheduled_tokens=list(num_scheduled),
+        placeholder_positions=torch.nonzero(input_ids < 0).flatten().tolist()
+        if find_placeholders
+        else [],
+    )
+
+
+def _sampling_rows(
+    cu: torch.Tensor, past_known: torch.Tensor, num_drafts: int
+) -> tuple[list[int], torch.Tensor, list[int]]:
+    """The requests that sample (their scheduled tokens reach their last known token:
+    `past_known >= 0`, the tokens past it being drafts), the logits rows (each sampling
+    request's last `1 + drafts` tokens; `cu[i]` ends request i's tokens) and the drafts
+    each verifies, which must add up to the `num_drafts` given."""
+    if num_drafts == 0 and not bool(past_known.any()):  # no drafts, no chunk mid-prompt
+        return list(range(len(cu))), cu - 1, [0] * len(cu)
+    sampling = torch.nonzero(past_known >= 0).flatten()
+    k = past_known[sampling]
+    if int(k.sum()) != num_drafts:
+        raise ValueError(
+            f"{num_drafts} drafts given, but {int(k.sum())} tokens are scheduled past the "
+            "known ones"
+        )
+    if num_drafts == 0:
+        return sampling.tolist(), (cu - 1)[sampling], [0] * len(sampling)
+    num_rows = k + 1
+    total = len(sampling) + num_drafts
+    offsets = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(
+        torch.cumsum(num_rows, 0) - num_rows, num_rows, output_size=total
+    )
+    firsts = (cu - 1)[sampling] - k
+    logits_indices = torch.repeat_interleave(firsts, num_rows, output_size=total) + offsets
+    return sampling.tolist(), logits_indices, k.tolist()
+
+
+def _write_drafts(
+    input_batch: InputBatch,
+    req_ids: list[str],
+    rows: list[int],
+    known: torch.Tensor,
+    drafts: dict[str, list[int]],
+) -> None:
+    index = {req_id: i for i, req_id in enumerate(req_ids)}
+    known_list = known.tolist()
+    with_drafts = [(index[r], d) for r, d in drafts.items() if d]
+    input_batch.write_drafts(
+        [rows[i] for i, _ in with_drafts],
+        [known_list[i] for i, _ in with_drafts],
+        [d for _, d in with_drafts],
     )

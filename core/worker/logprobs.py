@@ -1,5 +1,6 @@
 """Logprobs in the worker: per-request rows from the sampler's tensors, and prompt
-logprobs computed chunk by chunk during prefill (kept on the device until handed out).
+logprobs computed chunk by chunk during prefill (kept on the device until handed out,
+`PromptLogprobs`).
 
 Both travel to the engine as `TokenLogprobs`: {token id: (logprob, rank)}, the sampled (or
 actual prompt) token first, then the top-N (rank 1 = most likely).
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.core.outputs import TokenLogprobs
+from tandem.core.worker.flat_batch import FlatBatch
 
 
 @dataclass(slots=True)
@@ -76,3 +78,73 @@ def logprobs_per_request(
             out[r] = entries
         row += k + 1
     return out
+
+
+class PromptLogprobs:
+    """Prompt logprobs of the requests asking for them, collected over their prefill chunks.
+
+    A request is collected from its admission with no output token (a resumed request
+    with outputs is not) until it samples its first token: each step adds the logits rows
+    of its scheduled prompt positions to the forward (`extra_logits_rows`), the chunk is
+    kept as tensors (`add_chunks`), and all of it goes to the host with the first sampled
+    token (`take`).
+    """
+
+    def __init__(self) -> None:
+        self.chunks: dict[str, list[PromptLogprobChunk]] = {}
+
+    def admit(self, req_id: str, wanted: bool) -> None:
+        self.chunks.pop(req_id, None)
+        if wanted:
+            self.chunks[req_id] = []
+
+    def forget(self, req_id: str) -> None:
+        self.chunks.pop(req_id, None)
+
+    def extra_logits_rows(
+        self, batch: FlatBatch, num_prompt_tokens: dict[str, int]
+    ) -> tuple[list[tuple[str, int, int, int]], torch.Tensor | None]:
+        """(req id, first scheduled position, first extra logits row, rows) per collected
+        request of the step, and the flat token indices to add to `logits_indices`.
+        Logits at position i score prompt token i + 1: positions up to P - 2."""
+        if not self.chunks:
+            return [], None
+        wanted: list[tuple[str, int, int, int]] = []
+        extra: list[torch.Tensor] = []
+        first = batch.logits_indices.shape[0]
+        offset = 0
+        for req_id, start, n in zip(
+            batch.req_ids, batch.num_computed_tokens, batch.num_scheduled_tokens, strict=True
+        ):
+            if req_id in self.chunks:
+                count = max(min(start + n, num_prompt_tokens[req_id] - 1) - start, 0)
+                if count:
+                    wanted.append((req_id, start, first, count))
+                    extra.append(torch.arange(offset, offset + count, dtype=torch.int64))
+                    first += count
+            offset += n
+        return wanted, torch.cat(extra) if extra else None
+
+    def add_chunks(
+        self,
+        logits: torch.Tensor,
+        wanted: list[tuple[str, int, int, int]],
+        next_ids: list[list[int]],
+        num_top: list[int],
+    ) -> None:
+        """Keep each wanted request's chunk: `logits` rows `first..first+count` scored
+        against `next_ids` (the prompt tokens after those positions), with its top-k."""
+        for (req_id, _, first, count), ids, k in zip(wanted, next_ids, num_top, strict=True):
+            self.chunks[req_id].append(prompt_logprob_chunk(logits[first : first + count], ids, k))
+
+    def take(self, req_ids: list[str]) -> dict[str, list[TokenLogprobs]] | None:
+        """The prompt logprobs of the collected requests among `req_ids` (those sampling
+        their first token this step), on the host."""
+        if not self.chunks:
+            return None
+        taken = {
+            req_id: [entry for chunk in self.chunks.pop(req_id) for entry in chunk.to_host()]
+            for req_id in req_ids
+            if req_id in self.chunks
+        }
+        return taken or None

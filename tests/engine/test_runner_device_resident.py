@@ -4,8 +4,8 @@ Driven step by step with hand-built scheduler outputs on the scripted model, who
 "KV" stores every input token id, so the test can read back exactly which ids the runner
 fed to the model:
 
-- `sample_tokens` returns an `AsyncModelRunnerOutput`; the runner's history holds a `-1`
-  placeholder and `prev_sampled_token_ids` the ids, on the device;
+- `sample_tokens` returns an `AsyncModelRunnerOutput`; the runner's input batch holds a
+  `-1` placeholder and `prev_sampled_token_ids` the ids, on the device;
 - the next step's input ids come from `prev_sampled_token_ids`: by one slice copy when the
   batch kept its order, by index scatter when it changed;
 - the placeholder becomes the real id once the next step samples, and before sampling when
@@ -117,10 +117,11 @@ def test_sampled_ids_stay_on_device_with_placeholders(device: str) -> None:
     first = prefill(worker, ["a", "b"])
     for r in ("a", "b"):
         assert first[r] == scripted_next_token(PROMPTS[r], VOCAB)
-        assert runner.requests[r].token_ids == [*PROMPTS[r], -1]
-    assert runner.prev_req_id_to_index == {"a": 0, "b": 1}
-    assert runner.prev_sampled_token_ids is not None
-    assert runner.prev_sampled_token_ids[:, 0].tolist() == [first["a"], first["b"]]
+        assert runner.input_batch.token_ids_of(r) == [*PROMPTS[r], -1]
+    assert runner.device_outputs.prev_req_id_to_index == {"a": 0, "b": 1}
+    prev_sampled = runner.device_outputs.prev_sampled_token_ids
+    assert prev_sampled is not None
+    assert prev_sampled[:, 0].tolist() == [first["a"], first["b"]]
 
 
 def test_unchanged_batch_takes_its_inputs_from_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,7 +143,7 @@ def test_unchanged_batch_takes_its_inputs_from_the_device(monkeypatch: pytest.Mo
         want = scripted_next_token([*PROMPTS[r], first[r]], VOCAB)
         assert out.sampled_token_ids[out.req_id_to_index[r]] == [want]
         # The previous placeholder is resolved, the new one pending.
-        assert runner.requests[r].token_ids == [*PROMPTS[r], first[r], -1]
+        assert runner.input_batch.token_ids_of(r) == [*PROMPTS[r], first[r], -1]
     # Slice-copy path: the only index_copy_ calls are the scripted model's KV writes.
     assert len(index_copies) == 1
 
@@ -155,7 +156,7 @@ def test_changed_batch_scatters_the_previous_ids(device: str) -> None:
     # matches its flat position, so the ids are scattered.
     out = decode(worker, 1, {"b": 5}, new=["c"], finished_req_ids={"a"})
     assert kv_token(runner, "b", 5) == first["b"]
-    assert "a" not in runner.requests
+    assert "a" not in runner.input_batch.req_id_to_row
     assert out.sampled_token_ids[out.req_id_to_index["b"]] == [
         scripted_next_token([*PROMPTS["b"], first["b"]], VOCAB)
     ]
@@ -188,5 +189,5 @@ def test_sync_runner_returns_host_outputs() -> None:
     worker.execute_model(so)
     out = worker.sample_tokens(None)
     assert isinstance(out, ModelRunnerOutput)
-    assert worker.model_runner.requests["a"].token_ids[-1] == out.sampled_token_ids[0][0] >= 0
-    assert worker.model_runner.prev_sampled_token_ids is None
+    assert worker.model_runner.input_batch.token_ids_of("a")[-1] == out.sampled_token_ids[0][0] >= 0
+    assert worker.model_runner.device_outputs is None

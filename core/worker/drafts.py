@@ -1,0 +1,103 @@
+"""The worker's drafts: the one owner of the drafter's proposals, and the drafter glue.
+
+After each sampled step the `propose_drafts` hook proposes the next drafts of every
+sampling request; the store keeps the latest proposal per request and returns it in
+`ModelRunnerOutput.draft_token_ids` (both scheduling modes). The scheduler records it on
+the request (`Request.draft_token_ids`). What the next step verifies is
+`drafts_to_verify(scheduled, proposal)`: the scheduled drafts themselves under synchronous
+scheduling, and under async scheduling (`-1` placeholders scheduled) this proposal cut or
+padded to the scheduled count — the same helper the grammar backends use, so their draft
+rows are the drafts verified here. A request that finishes or is preempted loses its
+proposal, and the drafter is told (`DraftContext.finished_req_ids`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from tandem.core.scheduler_output import SchedulerOutput, drafts_to_verify
+from tandem.core.worker.draft_context import DraftContext
+from tandem.core.worker.flat_batch import FlatBatch
+from tandem.core.worker.input_batch import InputBatch
+
+
+class ProposeHook(Protocol):
+    def propose_drafts(self, *, context: DraftContext) -> Any: ...
+
+
+class DraftStore:
+    """Latest proposal per request (at most `num_spec_tokens` drafts each)."""
+
+    def __init__(self, num_spec_tokens: int) -> None:
+        self.num_spec_tokens = num_spec_tokens
+        self.proposals: dict[str, list[int]] = {}
+        #: Requests finished or preempted since the drafter last ran (it frees their state).
+        self._left: list[str] = []
+
+    def forget(self, req_id: str) -> None:
+        """The request finished or was preempted: its proposal is gone."""
+        self.proposals.pop(req_id, None)
+        if self.num_spec_tokens:
+            self._left.append(req_id)
+
+    def to_verify(self, so: SchedulerOutput) -> dict[str, list[int]]:
+        """The drafts each request of the step verifies (only requests with drafts)."""
+        return {
+            req_id: drafts_to_verify(scheduled, self.proposals.get(req_id, ()))
+            for req_id, scheduled in so.scheduled_spec_decode_tokens.items()
+            if scheduled
+        }
+
+    def propose(
+        self,
+        hooks: ProposeHook,
+        batch: FlatBatch,
+        input_batch: InputBatch,
+        sampled_rows: list[list[int]],
+        hidden: torch.Tensor | None,
+        target: Any,
+    ) -> dict[str, list[int]] | None:
+        """Ask the drafter for the next step's drafts (None without a drafter). It sees
+        every request of the step (prefill chunks that did not sample with empty
+        `sampled_token_ids`); only the sampling requests' proposals are kept and returned.
+        `input_batch` already holds the step's accepted tokens."""
+        if self.num_spec_tokens == 0:
+            return None
+        row_of = input_batch.req_id_to_row
+        indices = [r for r, req_id in enumerate(batch.req_ids) if req_id in row_of]
+        req_ids = [batch.req_ids[r] for r in indices]
+        num_drafts = dict(zip(batch.sample_req_indices, batch.num_draft_tokens, strict=True))
+        counts = batch.num_scheduled_tokens
+        valid = [
+            counts[r] - num_drafts[r] + max(len(sampled_rows[r]) - 1, 0)
+            if r in num_drafts
+            else counts[r]
+            for r in indices
+        ]
+        left, self._left = self._left, []
+        context = DraftContext(
+            req_ids=req_ids,
+            token_ids=[input_batch.token_ids_of(r) for r in req_ids],
+            sampled_token_ids=[sampled_rows[r] for r in indices],
+            num_spec_tokens=self.num_spec_tokens,
+            hidden_states=hidden,
+            target=target,
+            batch=batch,
+            batch_index=indices,
+            num_computed_tokens=[batch.num_computed_tokens[r] for r in indices],
+            num_valid_tokens=valid,
+            block_ids=[input_batch.block_table.block_ids(row_of[r]) for r in req_ids],
+            finished_req_ids=left,
+        )
+        proposed = hooks.propose_drafts(context=context)
+        if proposed is None:
+            return {}
+        drafts = {
+            req_id: list(d[: self.num_spec_tokens])
+            for r, req_id, d in zip(indices, req_ids, proposed, strict=True)
+            if r in num_drafts
+        }
+        self.proposals.update(drafts)
+        return drafts

@@ -50,6 +50,8 @@ def test_wheel_maps_design_folders_to_subpackages_and_imports(tmp_path: Path) ->
         "tandem/kv/kv_cache_manager.py",
         "tandem/plugins/reference_scheduler.py",
         "tandem/testing/pytest_plugin.py",
+        "tandem/testing/conformance/__init__.py",
+        "tandem/testing/conformance/rules.py",
     ):
         assert expected in names, expected
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA")))
@@ -59,6 +61,9 @@ def test_wheel_maps_design_folders_to_subpackages_and_imports(tmp_path: Path) ->
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[tandem.plugins]" in text and "reference-scheduler" in text
+    for double in ("scripted-drafter", "fake-grammar", "fault-sampler"):  # test kit only
+        assert f"\n{double} =" not in text
+    assert "[tandem.model_loaders]" in text and "ScriptedModelLoader" in text
 
     target = tmp_path / "site"
     subprocess.run(

@@ -129,12 +129,14 @@ class EngineHookSpecs:
 
         Drafts: under synchronous scheduling the scheduled drafts are the ones the worker
         verifies. Under async scheduling they are `-1` placeholders, and the worker
-        verifies the drafts it last reported for that request in
-        `ModelRunnerOutput.kept_draft_token_ids` (every plugin sees it in
-        `update_from_output`), cut to the scheduled count and padded with token 0 as the
-        worker pads them. A backend keeps that mirror itself (`tandem.testing.fake_grammar`
-        is the worked example); the kernel keeps it current: this hook runs for a step only
-        after the step whose proposals it verifies has been through `update_from_output`.
+        verifies the request's latest proposal, which the scheduler recorded as
+        `Request.draft_token_ids`; a backend gets the drafts of its rows with
+        `drafts_to_verify(scheduled, request.draft_token_ids)`
+        (`tandem.core.scheduler_output`, the helper the worker pads with) and keeps no copy
+        of drafts (`tandem.testing.fake_grammar` is the worked example). The field is
+        current: this hook runs for a step only after the step whose proposals it verifies
+        has been through `update_from_output`. Requests that left are never looked up:
+        their rows stay all ones, as above.
         """
 
     @hookspec

@@ -3,8 +3,9 @@
 Stacked right after the scheduler, it runs in `update_after_schedule` once the scheduler
 has advanced `num_computed_tokens` and set `is_prefill_chunk`: every request that samples
 this step gets `num_sampled_tokens_per_step + scheduled drafts` output placeholders, its
-`spec_token_ids` become the shared read-only `[-1] * k` list (the worker keeps the real
-drafts), and the step is marked `pending_structured_output_tokens` when a constrained
+`spec_token_ids` become the shared read-only `[-1] * k` list (the worker verifies its
+latest proposal in their place, which the scheduler records as `Request.draft_token_ids`),
+and the step is marked `pending_structured_output_tokens` when a constrained
 request still has unresolved placeholders. Everything else (the no-extra-step rule, the
 stop estimate, resolving returned tokens, stale outputs) lives in the scheduler and is
 inert while placeholders are 0.

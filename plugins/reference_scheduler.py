@@ -361,7 +361,13 @@ class ReferenceScheduler(TandemPlugin):
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        # The drafter's proposals, recorded on each request; synchronous scheduling also
+        # schedules them, async scheduling keeps its `-1` placeholders for them.
         drafts = model_runner_output.draft_token_ids
+        schedule_drafts = not self.config.scheduler.async_scheduling
+        for request_id in scheduler_output.preempted_req_ids:
+            if request_id in self.requests:  # the worker dropped its proposal
+                self.requests[request_id].draft_token_ids = []
         any_stopped = False
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
@@ -394,7 +400,9 @@ class ReferenceScheduler(TandemPlugin):
                 continue
             new_token_ids, stopped = self._append_output(request, generated)
             if drafts is not None and not stopped:
-                request.spec_token_ids = drafts.get(request_id, [])
+                request.draft_token_ids = drafts.get(request_id, [])
+                if schedule_drafts:
+                    request.spec_token_ids = request.draft_token_ids
             new_logprobs = None
             if model_runner_output.logprobs is not None and index is not None:
                 row_logprobs = model_runner_output.logprobs[index]

@@ -28,9 +28,9 @@ Life of a constrained request:
    bonus row, then roll the matcher back; from the first draft the grammar rejects the
    rows stay all-ones (the verifier rejects at that draft, since the target obeys that
    row's mask). Under async scheduling the scheduled drafts are `-1` placeholders; the
-   rows then use the drafts the worker reported in `kept_draft_token_ids` (padded with
-   token 0, as the worker pads; forgotten when the request is preempted, as the worker
-   forgets them), so they are the drafts the worker really verifies. A request of the
+   rows then use the request's latest proposal, `Request.draft_token_ids`, through
+   `drafts_to_verify` (cut and padded with token 0 exactly as the worker does), so they
+   are the drafts the worker really verifies. A request of the
    list that left while the step's sampling was deferred has no state here: its rows
    stay all-ones.
 4. `update_from_output` (after the scheduler, `trylast`): each matcher accepts the
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -61,7 +61,7 @@ from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.outputs import PluginFinish
 from tandem.core.plugin_manager import TandemPlugin
 from tandem.core.request import Request, RequestRejectedError, RequestStatus
-from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.scheduler_output import SchedulerOutput, drafts_to_verify
 from tandem.structured_output.backend import (
     AUTO_ORDER,
     BACKEND_NAMES,
@@ -87,8 +87,6 @@ class GrammarRequest:
     matcher: Matcher | None = None
     #: Confirmed output tokens the matcher has accepted.
     num_consumed: int = 0
-    #: The worker's drafts for the next step (async scheduling: `kept_draft_token_ids`).
-    drafts: list[int] = field(default_factory=list)
 
     def is_ready(self) -> bool:
         return self.matcher is not None
@@ -304,12 +302,7 @@ class StructuredOutputManager(TandemPlugin):
     ) -> None:
         """Rows for a request verifying drafts: fill, accept a draft, fill, ..., then roll
         the matcher back to the confirmed prefix."""
-        k = len(scheduled)
-        if scheduled[0] < 0:  # async placeholders: the worker verifies its own drafts
-            drafts = state.drafts[:k]
-            drafts = drafts + [0] * (k - len(drafts))
-        else:
-            drafts = scheduled
+        drafts = drafts_to_verify(scheduled, state.request.draft_token_ids)
         matcher.fill_bitmask(bitmask, row)
         accepted = 0
         for j, token in enumerate(drafts):
@@ -330,14 +323,7 @@ class StructuredOutputManager(TandemPlugin):
         for rid in scheduler_output.preempted_req_ids:
             state = self._states.get(rid)
             if state is not None:
-                state.drafts = []  # the worker drops its drafts of a preempted request
                 self.num_preempted_mid_grammar += state.num_consumed > 0
-        kept = model_runner_output.kept_draft_token_ids
-        if kept:
-            for rid, drafts in kept.items():
-                state = self._states.get(rid)
-                if state is not None:
-                    state.drafts = drafts
         for rid in scheduler_output.structured_output_request_ids:
             state = self._states.get(rid)
             if state is None or state.matcher is None:

@@ -13,10 +13,9 @@ It is also the worked example of the `grammar_bitmask` contract (copy it):
   `structured_output_request_ids`, in that order, always, so they line up with the rows the
   runner expects.
 - Drafts: under async scheduling the scheduled drafts are `-1` placeholders. The drafts the
-  worker verifies are the ones it reported for that request in the latest
-  `ModelRunnerOutput.kept_draft_token_ids`, cut to the scheduled count and padded with
-  token 0 (as the worker pads). This plugin keeps that mirror in `update_from_output` and
-  drops it when the request leaves the engine.
+  worker verifies are the request's latest proposal, `Request.draft_token_ids`, cut to the
+  scheduled count and padded with token 0: `drafts_to_verify(scheduled, proposal)`, the
+  helper the worker uses too. Keep no copy of drafts of your own.
 - Requests that left: a request of the list may have finished or been aborted since the
   step was scheduled (its sampling was deferred and the previous step's results, or an
   abort, ended it). Its rows still come, all-ones (its tokens are discarded); it must not
@@ -31,25 +30,13 @@ import torch
 
 from tandem.core import hookimpl
 from tandem.core.config import EngineConfig
-from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.plugin_manager import PluginConfigError, TandemPlugin, TandemPluginManager
-from tandem.core.request import RequestStatus
-from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.scheduler_output import SchedulerOutput, drafts_to_verify
 
 
 def fake_grammar_allows(previous_token: int, modulus: int, vocab_size: int) -> list[int]:
     """The tokens the fake grammar allows after `previous_token`."""
     return [t for t in range(vocab_size) if (t + previous_token) % modulus == 0]
-
-
-def verified_drafts(scheduled: list[int], kept: list[int]) -> list[int]:
-    """The drafts the worker verifies for one request: the scheduled ones, or, where the
-    scheduler holds `-1` placeholders (async), the worker's `kept` drafts cut to the
-    scheduled count and padded with token 0."""
-    if not scheduled or scheduled[0] >= 0:
-        return list(scheduled)
-    drafts = kept[: len(scheduled)]
-    return drafts + [0] * (len(scheduled) - len(drafts))
 
 
 class FakeGrammar(TandemPlugin):
@@ -63,8 +50,6 @@ class FakeGrammar(TandemPlugin):
         self.vocab_size = config.model.vocab_size
         self.words = -(-self.vocab_size // 32)
         self._scheduler = None
-        #: Per live request: the drafts the worker last reported it keeps (async only).
-        self._kept_drafts: dict[str, list[int]] = {}
         #: One entry per bitmask computed: was that step's sampling deferred?
         self.steps: list[bool] = []
 
@@ -81,25 +66,6 @@ class FakeGrammar(TandemPlugin):
         weights = 1 << torch.arange(32, dtype=torch.int64)
         packed = (allowed.view(self.words, 32).to(torch.int64) * weights).sum(1)
         return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
-
-    @hookimpl
-    def abort_requests(self, request_ids: list[str], status: RequestStatus) -> None:
-        for req_id in request_ids:
-            self._kept_drafts.pop(req_id, None)
-
-    @hookimpl(trylast=True)
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> None:
-        """Mirror the worker's kept drafts; forget requests the scheduler released (it ran
-        first: `trylast`)."""
-        assert self._scheduler is not None
-        if model_runner_output.kept_draft_token_ids:
-            self._kept_drafts.update(model_runner_output.kept_draft_token_ids)
-        live = self._scheduler.requests
-        for req_id in scheduler_output.num_scheduled_tokens:
-            if req_id not in live:
-                self._kept_drafts.pop(req_id, None)
 
     @hookimpl
     def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
@@ -121,7 +87,7 @@ class FakeGrammar(TandemPlugin):
             if request.num_output_placeholders > len(scheduled) + 1:
                 raise AssertionError(f"{req_id}: bitmask requested before its tokens are known")
             modulus = int(request.sampling_params.structured_outputs.custom["modulus"])
-            drafts = verified_drafts(scheduled, self._kept_drafts.get(req_id, []))
+            drafts = drafts_to_verify(scheduled, request.draft_token_ids)
             previous = request.all_token_ids[-1]
             for token in (*drafts, None):
                 rows.append(self._row(previous, modulus))

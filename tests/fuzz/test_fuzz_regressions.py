@@ -4,8 +4,8 @@ sync and async (and, where named, the thread executor), compares token for token
 the invariants after every step and that nothing leaks.
 
 A. `fake-grammar` under async built draft rows from the scheduled `-1` placeholders, not
-   from the drafts the worker verifies (`kept_draft_token_ids`): async output broke the
-   grammar and differed from sync.
+   from the drafts the worker verifies (now `Request.draft_token_ids` through
+   `drafts_to_verify`): async output broke the grammar and differed from sync.
 B. `fake-grammar.grammar_bitmask` raised KeyError for a constrained request that finished
    (or was aborted) while its step's sampling was deferred.
 C. With `check_invariants`, "every block is free when idle" fired while a step whose

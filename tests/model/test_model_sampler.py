@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.core.worker.model_runner import ModelRunner, RunnerRequestState
+from tandem.core.worker.input_batch import RequestState
+from tandem.core.worker.sampling_inputs import blocked_tokens
 from tandem.core.worker.sampling_metadata import SamplingMetadata
 from tandem.llm import LLM
 from tandem.plugins.default_sampler import DefaultSampler, apply_penalties
@@ -482,22 +483,22 @@ def test_min_tokens_blocks_stop_tokens_and_eos_when_sampling(tiny_models) -> Non
 
 
 # (5) Bad words ----------------------------------------------------------------------------
-def _state(history: list[int], params: SamplingParams, prompt: list[int] | None = None):
+def _state(
+    history: list[int], params: SamplingParams, prompt: list[int] | None = None
+) -> tuple[RequestState, list[int]]:
     prompt = prompt if prompt is not None else [9, 9, 9]
-    return RunnerRequestState(
-        req_id="r",
-        token_ids=list(prompt) + list(history),
-        num_prompt_tokens=len(prompt),
-        sampling_params=params,
-        block_ids=[],
-        num_computed_tokens=0,
-        eos_token_id=TINY_EOS,
-    )
+    state = RequestState("r", len(prompt), params, eos_token_id=TINY_EOS)
+    return state, list(prompt) + list(history)
+
+
+def _blocked(state: tuple[RequestState, list[int]], num_drafts: int) -> list[int]:
+    """Blocked tokens of the row after the request's tokens and `num_drafts` drafts (0)."""
+    return blocked_tokens(state[0], state[1], [0] * num_drafts)
 
 
 def test_bad_words_block_last_token_when_prefix_matches() -> None:
     params = SamplingParams(bad_words_token_ids=[[7], [4, 5], [1, 2, 3]])
-    blocked = ModelRunner._blocked_tokens
+    blocked = _blocked
     assert sorted(blocked(_state([], params), 0)) == [7]
     assert sorted(blocked(_state([8, 4], params), 0)) == [5, 7]
     assert sorted(blocked(_state([4, 8], params), 0)) == [7]
@@ -509,7 +510,7 @@ def test_bad_words_block_last_token_when_prefix_matches() -> None:
 
 def test_min_tokens_blocked_tokens_unit() -> None:
     params = SamplingParams(min_tokens=2, stop_token_ids=[11, 12])
-    blocked = ModelRunner._blocked_tokens
+    blocked = _blocked
     assert sorted(blocked(_state([], params), 0)) == [TINY_EOS, 11, 12]
     assert sorted(blocked(_state([5], params), 0)) == [TINY_EOS, 11, 12]
     assert blocked(_state([5, 6], params), 0) == []

@@ -106,7 +106,7 @@ def test_spec_rows_fill_accept_fill_then_roll_back(
     assert fill(matcher, VOCAB) == rows[0]  # rolled back to the confirmed prefix
 
 
-def test_async_placeholder_rows_use_the_workers_kept_drafts_padded_with_zero(
+def test_async_placeholder_rows_use_the_requests_proposal_padded_with_zero(
     smollm2_config: EngineConfig, tokenizer: Any
 ) -> None:
     manager = make_manager(smollm2_config)
@@ -114,13 +114,14 @@ def test_async_placeholder_rows_use_the_workers_kept_drafts_padded_with_zero(
     manager.add_request(request)
     wait_ready(manager, request)
     digits = tokenizer.encode("1")[0], tokenizer.encode("2")[0]
-    # The step before: the scheduler appended "1"; the worker keeps one draft ("2").
+    # The step before: the scheduler appended "1" and recorded the worker's proposal ("2").
     request.all_token_ids.append(digits[0])
+    request.draft_token_ids = [digits[1]]
     output = ModelRunnerOutput(
         req_ids=["r"],
         req_id_to_index={"r": 0},
         sampled_token_ids=[[digits[0]]],
-        kept_draft_token_ids={"r": [digits[1]]},
+        draft_token_ids={"r": [digits[1]]},
     )
     manager.update_from_output(step(["r"]), output)
     assert manager._states["r"].num_consumed == 1
@@ -134,23 +135,27 @@ def test_async_placeholder_rows_use_the_workers_kept_drafts_padded_with_zero(
     assert 0 not in first
 
 
-def test_preemption_keeps_the_matcher_and_forgets_the_workers_drafts(
+def test_preemption_keeps_the_matcher_and_pads_placeholders_without_a_proposal(
     smollm2_config: EngineConfig, tokenizer: Any
 ) -> None:
     """A preempted request resumes mid-grammar: its matcher stays at the confirmed prefix;
-    its mirrored drafts go (the worker drops them), so placeholder rows pad with 0."""
+    its proposal is gone (the worker drops it and the scheduler clears
+    `Request.draft_token_ids`: tests/engine/test_runner_drafts.py), so placeholder rows pad
+    with 0."""
     manager = make_manager(smollm2_config)
     request = constrained("r", regex="[0-9]+")
     manager.add_request(request)
     wait_ready(manager, request)
     one, two = tokenizer.encode("1")[0], tokenizer.encode("2")[0]
     request.all_token_ids.append(one)
-    kept = ModelRunnerOutput(req_ids=["r"], kept_draft_token_ids={"r": [two]})
-    manager.update_from_output(step(["r"]), kept)
+    request.draft_token_ids = [two]
+    proposed = ModelRunnerOutput(req_ids=["r"], draft_token_ids={"r": [two]})
+    manager.update_from_output(step(["r"]), proposed)
     preempting = SchedulerOutput(step_id=2, preempted_req_ids={"r"})
+    request.draft_token_ids = []  # what the scheduler does on the preempting step's results
     manager.update_from_output(preempting, ModelRunnerOutput())
     state = manager._states["r"]
-    assert (state.num_consumed, state.drafts) == (1, [])
+    assert state.num_consumed == 1
     assert manager.num_preempted_mid_grammar == 1
     bitmask = manager.grammar_bitmask(step(["r"], {"r": [-1]}))
     assert bitmask is not None and bool((bitmask[1] == -1).all())  # padding 0: rejected

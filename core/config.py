@@ -8,8 +8,6 @@ what installed plugins declare (`tandem.core.resolve`).
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer, field_validator
@@ -19,20 +17,15 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the source, the key path and the fix."""
 
 
-def cache_root() -> Path:
-    """tandem's disk cache: `$TANDEM_CACHE`, default `~/.cache/tandem` (converted models,
-    compiled kernels, trained draft heads). A stack file can name it as `${TANDEM_CACHE}`."""
-    return Path(os.environ.get("TANDEM_CACHE") or Path.home() / ".cache" / "tandem")
-
-
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ModelConfig(_Section):
-    """Which model runs. `model` is `default` (the embedded SmolLM2), `scripted` (the
-    deterministic test model), a local HF directory, a `.gguf` file or a Hugging Face hub
-    id (`org/name`, read from the local hub cache; downloaded only with `allow_download`)."""
+    """Which model runs. `model` is `default` (the embedded SmolLM2), a local HF directory,
+    a `.gguf` file, a Hugging Face hub id (`org/name`, read from the local hub cache;
+    downloaded only with `allow_download`), or a kind a model loader declares by name
+    (`scripted`: the test kit's deterministic model; `core/worker/model_loader.py`)."""
 
     model: str = "default"
     tokenizer: str | None = None
@@ -58,8 +51,8 @@ class ModelConfig(_Section):
     max_logprobs: int = Field(
         20, ge=0, description="largest logprobs / prompt_logprobs a request may ask (vLLM's)"
     )
-    vocab_size: int | None = Field(None, ge=2, description="scripted model only")
-    eos_token_id: int | None = Field(None, ge=0, description="scripted model only")
+    vocab_size: int | None = Field(None, ge=2, description="default: the model loader's")
+    eos_token_id: int | None = Field(None, ge=0, description="default: the model loader's")
 
 
 class SchedulerConfig(_Section):

@@ -6,8 +6,8 @@ name registered in this process (`register_plugin`: the test kit's doubles, clas
 test), then an import path `module:Class`. A stack may also hold the class itself
 (`LLM(plugins=[MyScheduler])`). A plugin is inactive until a stack names it.
 
-A plugin declares what it is with class attributes, read from the class (no instance):
-`CAPABILITIES` lists them with their defaults. The stack is resolved once
+A plugin declares what it is with class attributes read from the class, no instance
+(`CAPABILITIES`; `TandemPlugin` documents each and its default). The stack is resolved once
 (`tandem.core.resolve.stack_of`); the engine and the worker each build a
 `TandemPluginManager` from that one `ResolvedStack`. Stack order is call order, so plugins
 are registered in reverse (pluggy calls the most recently registered implementation first).
@@ -33,6 +33,7 @@ ENTRY_POINT_GROUP = "tandem.plugins"
 ENGINE_HOOKS = frozenset(n for n in vars(EngineHookSpecs) if not n.startswith("_"))
 WORKER_HOOKS = frozenset(n for n in vars(WorkerHookSpecs) if not n.startswith("_"))
 ALL_HOOKS = ENGINE_HOOKS | WORKER_HOOKS
+
 
 class PluginConfigError(ConfigError):
     """A stack that cannot run: unknown plugin, bad options, conflicting plugins."""
@@ -74,15 +75,7 @@ class TandemPlugin:
 
 
 #: The capabilities a plugin class may declare (class attributes of `TandemPlugin`).
-CAPABILITIES = (
-    "role",
-    "speculative_methods",
-    "aligned_drafts",
-    "needs_hidden_states",
-    "grammar_backends",
-    "needs_tokenizer",
-    "applies_grammar_bitmask",
-)
+CAPABILITIES = tuple(name for name in TandemPlugin.__annotations__ if name != "Options")
 
 
 def capability(cls: type, name: str) -> Any:
@@ -158,20 +151,6 @@ def unregister_plugin(name: str) -> None:
     _registered.pop(name, None)
 
 
-def registered_plugins() -> dict[str, type]:
-    """The plugins registered by class in this process, by name."""
-    return dict(_registered)
-
-
-def _import_failure(name: str, value: str, where: str, exc: BaseException) -> PluginConfigError:
-    cause = (
-        f"called sys.exit({exc.code!r}) while importing"
-        if isinstance(exc, SystemExit)
-        else f"{type(exc).__name__}: {exc}"
-    )
-    return PluginConfigError(f"{where}: plugin {name!r} ({value}) failed to import: {cause}")
-
-
 def import_class(path: str) -> Any:
     """The object at `module:Qualname` (AttributeError / ImportError when absent)."""
     module, _, qualname = path.partition(":")
@@ -199,7 +178,12 @@ def load_plugin_class(name: str, where: str = "plugins") -> type:
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # reported, never swallowed, never fatal
-            raise _import_failure(name, value, where, exc) from exc
+            cause = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, SystemExit):
+                cause = f"called sys.exit({exc.code!r}) while importing"
+            raise PluginConfigError(
+                f"{where}: plugin {name!r} ({value}) failed to import: {cause}"
+            ) from exc
     available = ", ".join(sorted({*discover_plugins(), *_registered})) or "none"
     raise PluginConfigError(
         f"{where}: unknown plugin {name!r}; installed plugins: {available} "

@@ -155,12 +155,9 @@ def _check_roles(config: EngineConfig, stack: ResolvedStack, source: str) -> Non
     for role in ("scheduler", "async-layer", "sampler", "drafter", "grammar"):
         named = [e.name for e in stack.with_role(role)]
         if len(named) > 1:
-            many = (
-                "exactly one" if role in ("scheduler", "async-layer", "sampler") else "at most one"
-            )
             raise PluginConfigError(
                 f"{source}: plugins: {len(named)} plugins claim the {role} role "
-                f"({', '.join(named)}); a stack has {many} {role}"
+                f"({', '.join(named)}); a stack has at most one {role}"
             )
     if not stack.with_role("scheduler"):
         raise PluginConfigError(f"{source}: plugins: the stack has no scheduler plugin")

@@ -18,6 +18,13 @@ import sys
 from typing import Any
 
 
+def _call_rank(cls: type, hook: str) -> int:
+    """Where pluggy calls a class's implementation of `hook`: 0 `tryfirst`, 1 plain,
+    2 `trylast` (in stack order within a rank), so the first answer has the lowest rank."""
+    opts = getattr(getattr(cls, hook), "tandem_impl", None) or {}
+    return 0 if opts.get("tryfirst") else 2 if opts.get("trylast") else 1
+
+
 def _firstresult_hooks() -> set[str]:
     from tandem.core.hookspecs import EngineHookSpecs, WorkerHookSpecs
 
@@ -64,9 +71,9 @@ def cmd_plugins_list(args: argparse.Namespace) -> int:
             hooks, declares, schema = f"ERROR: {exc}", "-", "-"
             broken.append(name)
         print(f"{name}  ({info.distribution} {info.version})  [{info.value}]")
-        print(f"    declares: {declares}")
         print(f"    hooks:    {hooks}")
         print(f"    options:  {schema}")
+        print(f"    declares: {declares}")
     for kind, loader in sorted(model_loaders().items()):
         tokenizer = "with tokenizer" if loader.has_tokenizer else "no tokenizer"
         print(f"model loader {kind}: {loader.__module__}:{loader.__qualname__} ({tokenizer})")
@@ -105,19 +112,19 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     print(f"# {_threads_line(config)}")
     print(json.dumps(config.model_dump(exclude={"plugins", "resolved_stack"}), indent=2))
     print("plugins (call order):")
-    answers: dict[str, str] = {}
+    answers: dict[str, list[tuple[int, int, str]]] = {}
     for i, entry in enumerate(resolved.entries):
         hooks = sorted(implemented_hooks(entry.cls))
         for hook in hooks:
             if hook in firstresult:
-                answers.setdefault(hook, entry.name)
+                answers.setdefault(hook, []).append((_call_rank(entry.cls, hook), i, entry.name))
         options = json.dumps(entry.options.model_dump(), default=str)
         print(f"  {i}. {entry.name}  options={options}")
         print(f"     hooks: {', '.join(hooks)}")
         print(f"     declares: {_declared(entry.cls)}")
     print("firstresult hooks answered by:")
     for hook in sorted(firstresult):
-        print(f"  {hook}: {answers.get(hook, '(nobody)')}")
+        print(f"  {hook}: {min(answers[hook])[2] if hook in answers else '(nobody)'}")
     return 0
 
 

@@ -29,13 +29,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from tandem.core.config import (
-    ConfigError,
-    EngineConfig,
-    SpeculativeConfig,
-    cache_root,
-    with_line,
-)
+from tandem.core.config import ConfigError, EngineConfig, SpeculativeConfig, with_line
+from tandem.core.worker.model_files import cache_root
 from tandem.sampling_params import format_validation_error
 
 _SECTIONS = ("model", "scheduler", "cache", "speculative", "structured_output", "parallel")

@@ -23,7 +23,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tandem.core.config import ConfigError, cache_root
+from tandem.core.config import ConfigError
+
+
+def cache_root() -> Path:
+    """tandem's disk cache: `$TANDEM_CACHE`, default `~/.cache/tandem` (converted models,
+    compiled kernels, trained draft heads). A stack file can name it as `${TANDEM_CACHE}`."""
+    return Path(os.environ.get("TANDEM_CACHE") or Path.home() / ".cache" / "tandem")
+
 
 logger = logging.getLogger("tandem.model")
 

@@ -146,6 +146,22 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def cpu_description() -> dict[str, Any]:
+    """The CPU model and its vector extensions (figures differ between AVX2 and AVX-512)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    vector = sorted(f for f in flags if f.startswith(("avx2", "avx512f", "avx512_bf16", "amx")))
+    return {"cpu": model, "cores": os.cpu_count(), "vector_flags": vector}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--child", action="store_true", help="measure once, print JSON")
@@ -157,6 +173,7 @@ def main() -> None:
     if args.child:
         child()
         return
+    load = {"start": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "runner_step_cpu.py"
         shutil.copy(__file__, script)
@@ -165,15 +182,12 @@ def main() -> None:
         for _ in range(args.rounds):
             before.append(run_child(script, args.before))
             after.append(run_child(script, None))
+    load["end"] = os.getloadavg()
     result = {
         "what": "median thread-CPU ms per decode step of 64 requests on the scripted model: "
         "runner input preparation (execute_model up to the forward) and sampling metadata",
         "rounds": args.rounds,
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "load_average": os.getloadavg(),
-            "torch_threads": 1,
-        },
+        "machine": {**cpu_description(), "load_average": load, "torch_threads": 1},
         "before": summarise(before),
         "after": summarise(after),
     }

@@ -111,7 +111,7 @@ def bitmask_benchmark(backend: str, num_requests: int) -> dict[str, Any]:
         )
         manager.add_request(request)
         requests.append(request)
-    while not all(r.grammar_ready() for r in requests):
+    while manager.requests_not_ready():
         manager.poll_finished_requests()
         time.sleep(0.001)
     compile_s = time.perf_counter() - started

@@ -35,6 +35,10 @@ QueuedStep = tuple[Future, SchedulerOutput, Future]
 #: by its entry-point name like any plugin; its class method `attach(engine)` registers it.
 OBSERVERS = {"check_invariants": "invariant-checker", "trace_hooks": "hook-tracing"}
 
+#: Longest an idle engine lets plugins block in `wait_for_work` (new requests and aborts
+#: are picked up after it).
+IDLE_WAIT_S = 0.005
+
 
 class EngineDeadError(RuntimeError):
     """The engine stopped after a step failed in a way no single request explains (the
@@ -131,6 +135,8 @@ class EngineCore:
             model_output = resolve_output(future.result())
         outputs += self.live.drain_aborts()
         outputs += self._update_from_output(scheduler_output, model_output)
+        if not model_executed:
+            self._wait_for_work()
         return outputs, model_executed
 
     def step_with_batch_queue(self) -> tuple[list[EngineCoreOutput], bool]:
@@ -161,6 +167,8 @@ class EngineCore:
                 model_output = resolve_output(future.result())
             outputs += self.live.drain_aborts()
             outputs += self._update_from_output(scheduler_output, model_output)
+            if not scheduler_output.total_num_scheduled_tokens:
+                self._wait_for_work()
         if deferred is not None:
             scheduler_output, exec_future = deferred
             grammar_bitmask = self.hook.grammar_bitmask(scheduler_output=scheduler_output)
@@ -190,6 +198,15 @@ class EngineCore:
         self.live.discard(out.request_id for out in outputs if out.finish_reason is not None)
         self.num_steps += 1
         return outputs
+
+    def _wait_for_work(self) -> None:
+        """After a step that scheduled nothing: with requests unfinished and no step with
+        tokens in flight, every request left waits for a plugin; let plugins block until
+        they have news (`wait_for_work`) instead of spinning through empty steps."""
+        if self.has_unfinished_requests() and not any(
+            so.total_num_scheduled_tokens for _, so, _ in self.batch_queue
+        ):
+            self.hook.wait_for_work(timeout_s=IDLE_WAIT_S)
 
     def run_step(self) -> tuple[list[EngineCoreOutput], bool]:
         """`step_fn` for front doors: a step that raises (the forward pass, the scheduler,

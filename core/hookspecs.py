@@ -21,14 +21,18 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from collections.abc import Collection, Sequence
+
     import torch
 
+    from tandem.core.config import EngineConfig
     from tandem.core.model_runner_output import ModelRunnerOutput, SamplerOutput
     from tandem.core.outputs import EngineCoreOutput, PluginFinish
     from tandem.core.plugin_manager import TandemPluginManager
     from tandem.core.request import Request, RequestStatus
     from tandem.core.scheduler_output import SchedulerOutput
     from tandem.core.scheduler_state import SchedulerState
+    from tandem.core.waiting_queue import WaitingQueue
     from tandem.core.worker.draft_context import DraftContext
     from tandem.core.worker.sampling_metadata import SamplingMetadata
 
@@ -59,12 +63,9 @@ class EngineHookSpecs:
         raise `ValueError` to reject the request: the kernel then aborts it in every plugin
         and reports the error to that request's caller only (`RequestRejectedError`, a
         `ValueError`, says the problem is this request's own: a front door reports it as
-        that request's `finish_reason == "error"` and goes on with the others).
-
-        Waiting for a plugin: a plugin that needs time before the request may run (a
-        grammar compiling) sets `request.grammar_ready` to a callable; the scheduler admits
-        the request from WAITING only once it returns True, and skips it (never blocks the
-        requests behind it) until then.
+        that request's `finish_reason == "error"` and goes on with the others). A plugin
+        that needs time before the request may run (a grammar compiling) reports it in
+        `requests_not_ready` until it is ready.
         """
 
     @hookspec
@@ -86,7 +87,71 @@ class EngineHookSpecs:
         scheduler) answers. It may mutate its queues, the KV cache manager and
         `num_cached_tokens`/status of requests, but NOT `num_computed_tokens` (that is
         `update_after_schedule`'s job, so every plugin there sees the pre-step ledger in the
-        output). Returns a `SchedulerOutput`, possibly with zero tokens scheduled.
+        output). Returns a `SchedulerOutput`, possibly with zero tokens scheduled. The
+        reference scheduler asks the policy hooks below while it plans.
+        """
+
+    # Policy seams: a scheduling policy is a plugin stacked on the reference scheduler ---
+    @hookspec(firstresult=True)
+    def make_waiting_queue(self, config: EngineConfig) -> WaitingQueue | None:
+        """The queue that orders WAITING: the admission-order seam.
+
+        Caller: the reference scheduler, once, in its `tandem_stack_loaded`, before any
+        request arrives. First result wins; when every plugin returns None the scheduler
+        uses its own FCFS or priority queue (`scheduler.scheduling_policy`). Returns a new,
+        empty `tandem.core.waiting_queue.WaitingQueue` (its docstring is the contract:
+        admission order, put-back, discard, the per-step clock `advance`); anything else is
+        a `PluginConfigError` naming the plugin. The scheduler decides what enters and
+        leaves the queue; the plugin may keep the object to read it. Every other rule stays
+        the scheduler's (RUNNING first, budgets, admission stops at the first request that
+        does not fit, none in a step that preempted), so tokens never change, only order.
+        """
+
+    @hookspec(firstresult=True)
+    def select_preemption_victim(
+        self, running: Sequence[Request], needed_by: Request
+    ) -> Request | None:
+        """The RUNNING request to preempt so that `needed_by` gets its KV blocks.
+
+        Caller: the reference scheduler, while it plans a step, each time a KV allocation
+        for the RUNNING request `needed_by` fails (again after every preemption, until it
+        fits). First result wins; the scheduler itself answers last (`trylast`): FCFS
+        `running[-1]` (the most recently admitted), priority the largest (priority,
+        arrival_time). `running` is a snapshot of RUNNING in admission order, `needed_by`
+        among them. The answer must be one of `running` (identity), possibly `needed_by`
+        itself (it then waits for a later step), else the scheduler raises an error naming
+        the plugin. Plugins change no request or queue: the scheduler preempts the victim
+        by recompute (frees its blocks through the fence, resets its ledger, counts
+        `num_preemptions`, puts it back with `WaitingQueue.prepend`).
+        """
+
+    @hookspec
+    def requests_not_ready(self) -> Collection[str] | None:
+        """Requests a plugin is not ready for yet (a grammar compiling, a diffusion canvas
+        being prepared, an external KV load in progress).
+
+        Caller: the reference scheduler, once at the start of every `schedule` (not at all
+        when no plugin implements it). Broadcast; each plugin returns the ids it is not
+        ready for, or None, and the scheduler takes the union for that step only. Return a
+        set-like collection the plugin already keeps (it is only read during the call's
+        step). A WAITING request in it is skipped keeping its place, and never blocks the
+        requests behind it. A RUNNING request in it is not scheduled this step: it keeps
+        its KV blocks and ledger (results of a step in flight resolve its placeholders as
+        usual) and later resumes exactly where it stopped; it may still be preempted. Ids
+        the scheduler does not hold are ignored. A plugin that says "not yet" while
+        nothing else can run implements `wait_for_work`, so the engine waits, not spins.
+        """
+
+    @hookspec
+    def wait_for_work(self, timeout_s: float) -> None:
+        """The engine is idle, waiting only for plugins: block until there is news.
+
+        Caller: the kernel, after a step that scheduled nothing while requests are
+        unfinished and no step with scheduled tokens is in flight (every request left is
+        not ready). Broadcast. A plugin may block up to `timeout_s` seconds and returns as
+        soon as it has news (a compile finished); with nothing pending it returns at once.
+        It changes no request or queue: what it learned is applied at the next drain point
+        (`poll_finished_requests`) and `requests_not_ready`. The only hook that may wait.
         """
 
     @hookspec

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.sampling_params import SamplingParams
@@ -88,10 +87,6 @@ class Request:
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     use_structured_output: bool = False
-    #: Set by a plugin that must finish work before the request may run (a grammar
-    #: compiling): the scheduler admits the request only once it returns True and skips
-    #: it until then. None: nothing to wait for.
-    grammar_ready: Callable[[], bool] | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -3,16 +3,18 @@
 Each step: RUNNING first, then WAITING (only in a step that preempted nothing). A request's
 work is `num_tokens_with_spec + num_output_placeholders - num_computed_tokens`, clamped by
 the token budget, `long_prefill_token_threshold` and `max_model_len`; chunked prefill is
-just that clamp. A failed KV allocation preempts by recompute (FCFS: the most recently
-admitted; priority: the largest (priority, arrival)), possibly the request itself; the
-victim frees its blocks through the fence, resets its ledger and goes back to the front of
-WAITING. A waiting request whose `grammar_ready()` is False (its grammar is compiling) is
-skipped, keeping its place, without blocking the requests behind it. The placeholder rules
-of async scheduling live here too and are inert while placeholders are 0; the async layer
-only adds placeholders.
+just that clamp. A failed KV allocation preempts by recompute, possibly the request itself;
+the victim frees its blocks through the fence, resets its ledger and goes back to WAITING.
+The placeholder rules of async scheduling live here too and are inert while placeholders
+are 0; the async layer only adds placeholders. Policy seams answered by plugins stacked
+with it: the WAITING order (`make_waiting_queue`), the preemption victim
+(`select_preemption_victim`) and readiness (`requests_not_ready`).
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -20,13 +22,16 @@ from tandem.core import hookimpl
 from tandem.core.config import EngineConfig
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.outputs import EngineCoreOutput
-from tandem.core.plugin_manager import TandemPlugin
+from tandem.core.plugin_manager import TandemPlugin, TandemPluginManager
 from tandem.core.request import Request, RequestStatus
-from tandem.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.scheduler_state import SchedulerState
-from tandem.kv import KVCacheManager
+from tandem.core.waiting_queue import WaitingQueue
+from tandem.kv import KVBlock, KVCacheManager
+from tandem.plugins.policy_hooks import PolicyHooks
 from tandem.plugins.request_queue import make_queue
 from tandem.plugins.spec_metrics import SpecDecodeMetrics
+from tandem.plugins.step_plan import StepPlan
 from tandem.plugins.stop_check import check_stop
 
 
@@ -56,7 +61,7 @@ class ReferenceScheduler(TandemPlugin):
             enable_prefix_caching=config.cache.enable_prefix_caching,
         )
         self.requests: dict[str, Request] = {}
-        self.waiting = make_queue(self.policy)
+        self.waiting: WaitingQueue = make_queue(self.policy)  # or a plugin's: stack loaded
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.step_id = 0
@@ -65,6 +70,23 @@ class ReferenceScheduler(TandemPlugin):
         self.spec_metrics = SpecDecodeMetrics(config.num_spec_tokens)
         spec = config.speculative
         self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec else None
+        #: The policy seams; without a plugin manager (unit tests): the defaults.
+        self.policy_hooks = PolicyHooks(None, self.select_preemption_victim)
+
+    # Policy seams -----------------------------------------------------------------------
+    @hookimpl
+    def tandem_stack_loaded(self, manager: TandemPluginManager) -> None:
+        self.policy_hooks = PolicyHooks(manager.hook, self.select_preemption_victim)
+        queue = self.policy_hooks.waiting_queue(self.config)
+        if queue is not None:
+            self.waiting = queue
+
+    @hookimpl(trylast=True)
+    def select_preemption_victim(self, running: Sequence[Request], needed_by: Request) -> Request:
+        """FCFS: the most recently admitted; priority: the largest (priority, arrival)."""
+        if self.policy == "priority":
+            return max(running, key=lambda r: (r.priority, r.arrival_time))
+        return running[-1]
 
     # Requests in and out --------------------------------------------------------------
     @hookimpl
@@ -85,7 +107,7 @@ class ReferenceScheduler(TandemPlugin):
             request.status = status
             aborted.append(request)
             if not was_running:
-                self.waiting.remove([request])
+                self.waiting.discard([request])
             self._release(request)
         if aborted:
             self.running = [r for r in self.running if not r.is_finished]
@@ -114,6 +136,16 @@ class ReferenceScheduler(TandemPlugin):
         # The input position must not exceed the max model len.
         return min(num_new, self.max_model_len - num_computed - self.num_sampled_tokens_per_step)
 
+    @staticmethod
+    def _in_flight_reaches_max_tokens(request: Request) -> bool:
+        """Async: the step in flight already reaches `max_tokens` even if every draft in
+        flight is rejected (outputs: (computed + 1) - (placeholders - 1)); no extra step."""
+        return (
+            request.num_output_placeholders > 0
+            and request.num_computed_tokens + 2 - request.num_output_placeholders
+            >= request.num_prompt_tokens + request.max_tokens
+        )
+
     def _samples_last_output_token(self, request: Request) -> bool:
         """Whether the step being planned surely produces the request's last output token.
 
@@ -136,17 +168,9 @@ class ReferenceScheduler(TandemPlugin):
         needed -= len(kv.get_block_ids(request.request_id))
         return needed <= kv.num_free_blocks + kv.num_fenced_blocks
 
-    def _pick_victim(self) -> Request:
-        if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
-
     def _preempt(self, request: Request) -> None:
-        """Preemption by recompute: free blocks (fenced), reset the ledger, requeue first.
-
-        Results of steps still in flight for this request become stale: they are counted
-        in `num_stale_output_tokens` and dropped when they arrive.
-        """
+        """Preemption by recompute: free blocks (fenced), reset the ledger, requeue. Results
+        of steps in flight for it become stale (`num_stale_output_tokens`: dropped)."""
         self.kv_cache_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -161,159 +185,104 @@ class ReferenceScheduler(TandemPlugin):
 
     @hookimpl
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.max_num_batched_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
-        spec_decode_tokens: dict[str, list[int]] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
-        preempted: list[Request] = []
+        self.waiting.advance(time.monotonic())
+        plan = StepPlan(
+            self.max_num_batched_tokens, self.config.num_spec_tokens, self.policy_hooks.not_ready()
+        )
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        self.step_id += 1
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return plan.to_output(self.step_id, self.kv_cache_manager, self.requests, finished)
 
-        # First, schedule the RUNNING requests.
+    def _schedule_running(self, plan: StepPlan) -> None:
+        """RUNNING in order, each with its outstanding work within the budget; a request
+        that cannot be fitted (or is not ready) is skipped, not the requests behind it."""
         # `speculative.disable_by_batch_size`: a large batch verifies no drafts this step.
         no_drafts = (
             self.spec_disable_by_batch_size is not None
             and len(self.running) > self.spec_disable_by_batch_size
         )
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while req_index < len(self.running) and plan.token_budget > 0:
             request = self.running[req_index]
-            if (
-                request.num_output_placeholders > 0
-                # (num_computed_tokens + 1) - (num_output_placeholders - 1): the outputs this
-                # request is sure to reach even if every draft in flight is rejected.
-                and request.num_computed_tokens + 2 - request.num_output_placeholders
-                >= request.num_prompt_tokens + request.max_tokens
-            ):
-                # Async: the step in flight already reaches max_tokens; no extra step.
+            if request.request_id in plan.not_ready or self._in_flight_reaches_max_tokens(request):
                 req_index += 1
                 continue
             if request.spec_token_ids and (no_drafts or self._samples_last_output_token(request)):
                 request.spec_token_ids = []
             num_new_tokens = self._num_new_tokens(
-                request, token_budget, request.num_computed_tokens
+                request, plan.token_budget, request.num_computed_tokens
             )
             if num_new_tokens <= 0:
-                # Cannot be fitted this step: skip it, not the requests behind it.
                 req_index += 1
                 continue
-
-            blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-            while blocks is None:
-                if self._fits_after_fences(request, num_new_tokens):
-                    # Blocks freed while a step is in flight return only at its fence:
-                    # preempting more cannot help this step. Wait for the fence.
-                    break
-                victim = self._pick_victim()
-                victim_index = self.running.index(victim)
-                self.running.pop(victim_index)
-                if victim_index < req_index:
-                    req_index -= 1
-                if victim.request_id in num_scheduled_tokens:
-                    scheduled_running.remove(victim)
-                    token_budget += num_scheduled_tokens.pop(victim.request_id)
-                    new_block_ids.pop(victim.request_id)
-                    spec_decode_tokens.pop(victim.request_id, None)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-                blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            blocks, req_index = self._allocate(plan, request, num_new_tokens, req_index)
             if blocks is None:
                 if request.status != RequestStatus.RUNNING:
                     break  # the request preempted itself: nothing else can fit either
                 req_index += 1
                 continue
-
-            scheduled_running.append(request)
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            new_block_ids[request.request_id] = [b.block_id for b in blocks]
-            token_budget -= num_new_tokens
+            plan.add_running(request, num_new_tokens, [b.block_id for b in blocks])
             req_index += 1
-            if request.spec_token_ids:
-                num_spec = (
-                    num_new_tokens
-                    + request.num_computed_tokens
-                    - request.num_tokens
-                    - request.num_output_placeholders
-                )
-                if num_spec > 0:
-                    spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
 
-        # Next, schedule the WAITING requests, unless this step preempted.
-        if not preempted:
-            skipped: list[Request] = []  # grammars still compiling: skipped, not blocking
-            while self.waiting and token_budget > 0:
-                if len(self.running) >= self.max_num_running_reqs:
-                    break
-                request = self.waiting.peek()
-                if request.grammar_ready is not None and not request.grammar_ready():
-                    skipped.append(self.waiting.pop())
-                    continue
-                # Prompt logprobs need every prompt position computed (vLLM skips the cache too).
-                hit_blocks, num_hit_tokens = (
-                    self.kv_cache_manager.get_computed_blocks(request)
-                    if request.sampling_params.prompt_logprobs is None
-                    else ([], 0)
-                )
-                num_new_tokens = self._num_new_tokens(request, token_budget, num_hit_tokens)
-                if num_new_tokens <= 0:
-                    break
-                blocks = self.kv_cache_manager.allocate_slots(
-                    request,
-                    num_new_tokens,
-                    num_new_computed_tokens=num_hit_tokens,
-                    new_computed_blocks=hit_blocks,
-                )
-                if blocks is None:
-                    break  # out of KV: admission stops here
-                self.waiting.pop()
-                self.running.append(request)
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_hit_tokens
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hit_tokens
-                scheduled_new.append(request)
-                num_scheduled_tokens[request.request_id] = num_new_tokens
-                token_budget -= num_new_tokens
-            for request in reversed(skipped):
-                self.waiting.prepend(request)
+    def _allocate(
+        self, plan: StepPlan, request: Request, num_new_tokens: int, req_index: int
+    ) -> tuple[list[KVBlock] | None, int]:
+        """KV for a RUNNING request, preempting victims until it fits: the new blocks (None:
+        not this step) and `req_index` corrected for victims removed before it."""
+        blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+        while blocks is None:
+            if self._fits_after_fences(request, num_new_tokens):
+                # Blocks freed while a step is in flight return only at its fence:
+                # preempting more cannot help this step. Wait for the fence.
+                break
+            victim = self.policy_hooks.victim(self.running, request)
+            victim_index = self.running.index(victim)
+            self.running.pop(victim_index)
+            if victim_index < req_index:
+                req_index -= 1
+            plan.preempt(victim)
+            self._preempt(victim)
+            if victim is request:
+                break
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+        return blocks, req_index
 
-        self.step_id += 1
-        output = SchedulerOutput(
-            step_id=self.step_id,
-            scheduled_new_reqs=[
-                NewRequestData(
-                    req_id=r.request_id,
-                    token_ids=list(r.all_token_ids),
-                    num_prompt_tokens=r.num_prompt_tokens,
-                    sampling_params=r.sampling_params,
-                    block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
-                    num_computed_tokens=r.num_computed_tokens,
-                    eos_token_id=r.eos_token_id,
-                )
-                for r in scheduled_new
-            ],
-            scheduled_cached_reqs=[
-                CachedRequestData(
-                    req_id=r.request_id,
-                    new_block_ids=new_block_ids[r.request_id],
-                    num_computed_tokens=r.num_computed_tokens,
-                )
-                for r in scheduled_running
-            ],
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
-            scheduled_spec_decode_tokens=spec_decode_tokens,
-            num_spec_tokens_to_schedule=self.config.num_spec_tokens,
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted},
-            structured_output_request_ids=[
-                rid for rid in num_scheduled_tokens if self.requests[rid].use_structured_output
-            ],
-        )
-        self.finished_req_ids = set()
-        return output
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        """Admit WAITING in queue order up to `max_num_seqs`; the first request that does
+        not fit stops admission. A request not ready is skipped and put back in place."""
+        skipped: list[Request] = []
+        while (
+            self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_running_reqs
+        ):
+            request = self.waiting.peek()
+            if request.request_id in plan.not_ready:
+                skipped.append(self.waiting.pop())
+                continue
+            # Prompt logprobs need every prompt position computed (vLLM skips the cache too).
+            hit_blocks, num_hit_tokens = (
+                self.kv_cache_manager.get_computed_blocks(request)
+                if request.sampling_params.prompt_logprobs is None
+                else ([], 0)
+            )
+            num_new_tokens = self._num_new_tokens(request, plan.token_budget, num_hit_tokens)
+            if num_new_tokens <= 0:
+                break
+            kv = self.kv_cache_manager
+            blocks = kv.allocate_slots(request, num_new_tokens, num_hit_tokens, hit_blocks)
+            if blocks is None:
+                break  # out of KV: admission stops here
+            self.waiting.pop()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            plan.add_new(request, num_new_tokens)
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
 
     @hookimpl
     def update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:

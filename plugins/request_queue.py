@@ -1,4 +1,5 @@
-"""WAITING queues: first-come-first-served and priority (lower value first, then arrival)."""
+"""The reference scheduler's WAITING queues (`tandem.core.waiting_queue.WaitingQueue`):
+first-come-first-served, and priority (lower value first, then arrival)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from tandem.core.request import Request
 
 
 class FCFSQueue:
-    """Arrival order; a preempted request is put back at the front."""
+    """Arrival order; a request put back (`prepend`) goes to the front."""
 
     def __init__(self) -> None:
         self._queue: deque[Request] = deque()
@@ -28,9 +29,12 @@ class FCFSQueue:
     def pop(self) -> Request:
         return self._queue.popleft()
 
-    def remove(self, requests: Iterable[Request]) -> None:
+    def discard(self, requests: Iterable[Request]) -> None:
         drop = {id(r) for r in requests}
         self._queue = deque(r for r in self._queue if id(r) not in drop)
+
+    def advance(self, now: float) -> None:
+        """Arrival order does not change with time."""
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -40,8 +44,8 @@ class FCFSQueue:
 
 
 class PriorityQueue:
-    """Ordered by (priority, arrival_time); a preempted request keeps its key, so it comes
-    back ahead of every later arrival of the same priority."""
+    """Ordered by (priority, arrival_time); a request put back keeps its key, so a
+    preempted request comes back ahead of every later arrival of the same priority."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, float, int, Request]] = []
@@ -60,10 +64,13 @@ class PriorityQueue:
     def pop(self) -> Request:
         return heapq.heappop(self._heap)[3]
 
-    def remove(self, requests: Iterable[Request]) -> None:
+    def discard(self, requests: Iterable[Request]) -> None:
         drop = {id(r) for r in requests}
         self._heap = [entry for entry in self._heap if id(entry[3]) not in drop]
         heapq.heapify(self._heap)
+
+    def advance(self, now: float) -> None:
+        """Keys are fixed at arrival."""
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -73,6 +80,7 @@ class PriorityQueue:
 
 
 def make_queue(policy: str) -> FCFSQueue | PriorityQueue:
+    """The queue for `scheduler.scheduling_policy`."""
     if policy == "fcfs":
         return FCFSQueue()
     if policy == "priority":

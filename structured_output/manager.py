@@ -13,15 +13,14 @@ Life of a constrained request:
    enforce, by its JSON path: `json_schema.prepare_schema`). `auto` takes the first
    backend of `AUTO_ORDER` (xgrammar, then outlines-core) whose checks pass, per request,
    and refuses only when none does (naming each backend's reason). The grammar is
-   submitted to the compile pool (cached by (backend, spec)) and `request.grammar_ready`
-   is set: the scheduler leaves the request in WAITING, without blocking others, until
-   the grammar is compiled.
+   submitted to the compile pool (cached by (backend, spec)). Until it is compiled the
+   request is in `requests_not_ready`: the scheduler leaves it in WAITING, without
+   blocking others.
 2. `poll_finished_requests` (each drain point, on the engine thread): a finished compile
    gives the request its matcher (it becomes ready); a compile error or a compile that
    outlives `compile_timeout_s` ends that request with `finish_reason == "error"` and a
-   message naming the field and the backend. After a step that scheduled nothing it
-   first waits up to `IDLE_WAIT_S` for a compile to finish, so an engine with nothing
-   else to do does not spin through empty steps.
+   message naming the field and the backend. `wait_for_work` (an idle engine) blocks
+   until a compile finishes, so an engine with nothing else to do does not spin.
 3. `grammar_bitmask`: one int32 bitmask for the step, `1 + drafts` rows per request of
    `structured_output_request_ids`. A request without drafts gets its row in one batch
    fill per backend. With drafts: fill row 0, accept draft 1, fill row 1, ..., fill the
@@ -47,6 +46,7 @@ Invariant: a ready request's matcher state is exactly its confirmed output prefi
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,9 +71,6 @@ from tandem.structured_output.backend import (
 )
 from tandem.structured_output.compile_pool import CompilePool
 from tandem.structured_outputs import StructuredOutputsParams
-
-#: Longest wait for a compile at a drain point after a step that scheduled nothing.
-IDLE_WAIT_S = 0.005
 
 
 @dataclass(slots=True, eq=False)
@@ -131,10 +128,6 @@ class StructuredOutputManager(TandemPlugin):
         self.num_preempted_mid_grammar = 0
         #: Requests per backend that `auto` chose (the others passed no check).
         self.auto_choices: dict[str, int] = {}
-        #: The last step processed scheduled nothing: the engine may be idle, waiting only
-        #: for grammars to compile (then `poll_finished_requests` blocks briefly instead of
-        #: letting the loop spin through empty steps).
-        self._engine_idle = False
 
     # Backends ----------------------------------------------------------------------------
     def backend(self, name: str) -> GrammarBackend:
@@ -193,7 +186,6 @@ class StructuredOutputManager(TandemPlugin):
         )
         self._states[rid] = state
         self._compiling[rid] = state
-        request.grammar_ready = state.is_ready
 
     def _checked(self, name: str, spec: StructuredOutputsParams) -> GrammarBackend:
         backend = self.backend(name)
@@ -226,11 +218,21 @@ class StructuredOutputManager(TandemPlugin):
         self._finished.append(PluginFinish(rid, "error", f"request {rid}: {message}"))
 
     @hookimpl
+    def requests_not_ready(self) -> Collection[str] | None:
+        """Requests whose grammar is still compiling (until the drain point that sees the
+        compile finished)."""
+        return self._compiling.keys() if self._compiling else None
+
+    @hookimpl
+    def wait_for_work(self, timeout_s: float) -> None:
+        """The engine is idle: wait for the first compile to finish, not spin."""
+        if self._compiling:
+            pending = [s.future for s in self._compiling.values()]
+            wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    @hookimpl
     def poll_finished_requests(self) -> list[PluginFinish] | None:
         if self._compiling:
-            if self._engine_idle:  # nothing else to do: wait for a compile, not spin
-                pending = [s.future for s in self._compiling.values()]
-                wait(pending, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
             now = time.monotonic()
             for rid, state in list(self._compiling.items()):
                 spec = state.request.sampling_params.structured_outputs
@@ -319,7 +321,6 @@ class StructuredOutputManager(TandemPlugin):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> None:
-        self._engine_idle = scheduler_output.total_num_scheduled_tokens == 0
         for rid in scheduler_output.preempted_req_ids:
             state = self._states.get(rid)
             if state is not None:

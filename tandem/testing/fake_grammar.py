@@ -20,17 +20,24 @@ It is also the worked example of the `grammar_bitmask` contract (copy it):
   step was scheduled (its sampling was deferred and the previous step's results, or an
   abort, ended it). Its rows still come, all-ones (its tokens are discarded); it must not
   be looked up in state dropped when it left.
+- Readiness: with `compile_steps: k` a constrained request's grammar "compiles" for the
+  first k `schedule` calls after it arrives: it is in `requests_not_ready` until then.
 
-    plugins: [{name: reference-scheduler}, {name: default-sampler}, {name: fake-grammar}]
+    plugins: [{name: reference-scheduler}, {name: default-sampler},
+              {name: fake-grammar, options: {compile_steps: 3}}]
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.core import hookimpl
 from tandem.core.config import EngineConfig
 from tandem.core.plugin_manager import PluginConfigError, TandemPlugin, TandemPluginManager
+from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput, drafts_to_verify
 
 
@@ -43,8 +50,19 @@ class FakeGrammar(TandemPlugin):
     role = "grammar"
     grammar_backends = ("fake",)
 
-    def __init__(self, config: EngineConfig, options) -> None:  # noqa: ANN001
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        compile_steps: int = Field(
+            0, ge=0, description="schedule calls a constrained request waits for its grammar"
+        )
+
+    def __init__(self, config: EngineConfig, options: BaseModel) -> None:
         super().__init__(config, options)
+        assert isinstance(options, FakeGrammar.Options)
+        self.compile_steps = options.compile_steps
+        #: Constrained requests still "compiling": schedule calls left before they are ready.
+        self._compiling: dict[str, int] = {}
         if config.model.vocab_size is None:
             raise PluginConfigError("fake-grammar needs the scripted model (model.vocab_size)")
         self.vocab_size = config.model.vocab_size
@@ -66,6 +84,28 @@ class FakeGrammar(TandemPlugin):
         weights = 1 << torch.arange(32, dtype=torch.int64)
         packed = (allowed.view(self.words, 32).to(torch.int64) * weights).sum(1)
         return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+    @hookimpl
+    def add_request(self, request: Request) -> None:
+        if request.use_structured_output and self.compile_steps > 0:
+            self._compiling[request.request_id] = self.compile_steps
+
+    @hookimpl
+    def requests_not_ready(self) -> Collection[str] | None:
+        """Called once per `schedule`: the requests still compiling for this step."""
+        if not self._compiling:
+            return None
+        not_ready = set(self._compiling)
+        for req_id in not_ready:
+            self._compiling[req_id] -= 1
+            if self._compiling[req_id] == 0:
+                del self._compiling[req_id]
+        return not_ready
+
+    @hookimpl
+    def abort_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        for req_id in request_ids:
+            self._compiling.pop(req_id, None)
 
     @hookimpl
     def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:

@@ -18,6 +18,7 @@ from tandem.core import hookimpl
 from tandem.core.config import EngineConfig
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.outputs import EngineCoreOutput
+from tandem.core.plugin_manager import TandemPluginManager
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_output import NewRequestData, SchedulerOutput
 from tandem.plugins.reference_scheduler import ReferenceScheduler
@@ -97,7 +98,7 @@ class LeaksOnAbort(ReferenceScheduler):
             if request is None or request.is_finished:
                 continue
             if request.status != RequestStatus.RUNNING:
-                self.waiting.remove([request])
+                self.waiting.discard([request])
             request.status = status
             self.finished_req_ids.add(request_id)
             del self.requests[request_id]  # the bug: no self.kv_cache_manager.free(request_id)
@@ -139,7 +140,7 @@ class SkipsOneTokenPrompts(ReferenceScheduler):
     @hookimpl
     def schedule(self) -> SchedulerOutput:
         hidden = [r for r in self.waiting if r.num_prompt_tokens == 1]
-        self.waiting.remove(hidden)
+        self.waiting.discard(hidden)
         try:
             return super().schedule()
         finally:
@@ -164,13 +165,12 @@ def assert_well_formed(error: ConformanceError, plugin: str) -> None:
 
 
 class IgnoresGrammarReady(ReferenceScheduler):
-    """Admits a request whose grammar is still compiling."""
+    """Admits a request whose grammar is still compiling: never asks `requests_not_ready`."""
 
     @hookimpl
-    def schedule(self) -> SchedulerOutput:
-        for request in self.waiting:
-            request.grammar_ready = None  # the bug
-        return super().schedule()
+    def tandem_stack_loaded(self, manager: TandemPluginManager) -> None:
+        super().tandem_stack_loaded(manager)
+        self.policy_hooks.not_ready = lambda: ()  # type: ignore[method-assign]  # the bug
 
 
 class BlocksBehindGrammar(ReferenceScheduler):
@@ -179,7 +179,7 @@ class BlocksBehindGrammar(ReferenceScheduler):
     @hookimpl
     def schedule(self) -> SchedulerOutput:
         head = self.waiting.peek() if self.waiting else None
-        if head is None or head.grammar_ready is None or head.grammar_ready():
+        if head is None or head.request_id not in self.policy_hooks.not_ready():
             return super().schedule()
         limit, self.max_num_running_reqs = self.max_num_running_reqs, len(self.running)
         try:
@@ -196,7 +196,7 @@ def test_ignoring_grammar_ready_fails_the_grammar_ready_check() -> None:
     )
     for error in failures.values():
         assert_well_formed(error, "test-ignores-grammar-ready")
-        assert error.invariant == "a request is not scheduled while its grammar_ready() is False"
+        assert error.invariant == "a request is not scheduled while a plugin reports it not ready"
         assert "its grammar is ready after step" in error.detail
 
 

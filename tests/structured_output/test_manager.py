@@ -52,7 +52,7 @@ def constrained(rid: str, **spec: Any) -> Request:
 def wait_ready(manager: StructuredOutputManager, *requests: Request) -> list:
     finished = []
     deadline = time.monotonic() + 30
-    while not all(r.grammar_ready() for r in requests if r.request_id in manager._states):
+    while set(manager.requests_not_ready() or ()) & {r.request_id for r in requests}:
         finished += manager.poll_finished_requests() or []
         assert time.monotonic() < deadline
         time.sleep(0.002)
@@ -77,7 +77,7 @@ def test_request_becomes_ready_once_compiled_and_the_cache_shares_compiles(
     a, b = constrained("a", json=SCHEMA), constrained("b", json=SCHEMA)
     manager.add_request(a)
     manager.add_request(b)
-    assert a.grammar_ready is not None and not a.grammar_ready()  # not before a poll
+    assert set(manager.requests_not_ready() or ()) == {"a", "b"}  # not before a poll
     assert wait_ready(manager, a, b) == []
     assert manager.pool.num_compiles == 1
     assert manager._states["a"].backend.name == backend
@@ -208,7 +208,8 @@ def test_compile_error_and_time_out_fail_their_request(smollm2_config: EngineCon
         assert time.monotonic() < deadline
     assert finished[0].request_id == "broken" and finished[0].finish_reason == "error"
     assert "structured_outputs.grammar" in finished[0].error and "xgrammar" in finished[0].error
-    assert not broken.grammar_ready()
+    assert "broken" not in (manager.requests_not_ready() or ())  # failed: ended, not waiting
+    assert "broken" not in manager._states
 
     slow = make_manager(smollm2_config, compile_timeout_s=0.01, max_compile_workers=1)
     release = threading.Event()
@@ -262,7 +263,7 @@ def test_pathological_regex_times_out_alone(smollm2_config: EngineConfig) -> Non
     manager.add_request(fast)
     finished: list = []
     deadline = time.monotonic() + 30
-    while not finished or not fast.grammar_ready():
+    while not finished or "fast" in (manager.requests_not_ready() or ()):
         finished += manager.poll_finished_requests() or []
         assert time.monotonic() < deadline
         time.sleep(0.01)
@@ -274,7 +275,7 @@ def test_pathological_regex_times_out_alone(smollm2_config: EngineConfig) -> Non
 def test_idle_engine_waits_for_a_compile_instead_of_spinning(
     smollm2_config: EngineConfig,
 ) -> None:
-    from tandem.structured_output.manager import IDLE_WAIT_S
+    from tandem.core.engine_core import IDLE_WAIT_S
 
     manager = make_manager(smollm2_config, max_compile_workers=1)
     release = threading.Event()
@@ -283,16 +284,18 @@ def test_idle_engine_waits_for_a_compile_instead_of_spinning(
     request = constrained("r", regex="[a-z]+")
     manager.add_request(request)  # queued behind the blocked worker
     started = time.monotonic()
-    manager.poll_finished_requests()  # the engine is busy: no wait
+    manager.poll_finished_requests()  # a drain point never waits
     busy = time.monotonic() - started
-    manager.update_from_output(step([]), ModelRunnerOutput())  # a step with nothing
     started = time.monotonic()
-    manager.poll_finished_requests()
+    manager.wait_for_work(timeout_s=IDLE_WAIT_S)  # the idle engine: waits for a compile
     idle = time.monotonic() - started
     release.set()
     blocker.result()
     assert busy < IDLE_WAIT_S <= idle
     wait_ready(manager, request)
+    started = time.monotonic()
+    manager.wait_for_work(timeout_s=10.0)  # nothing compiling: returns at once
+    assert time.monotonic() - started < 1.0
 
 
 def test_auto_takes_the_first_backend_that_enforces_the_whole_constraint(

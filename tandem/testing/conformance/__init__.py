@@ -48,10 +48,10 @@ Checks (`CHECKS`), each run in both modes (`MODES`):
   strict prefix of their exact tokens, all others are exact, nothing leaks.
 - `preemption` (f): KV pools the size of one max-length sequence force preemption by
   recompute; outputs stay exact and nothing leaks.
-- `grammar-ready` (g): requests whose `grammar_ready()` stays False for a number of steps
-  (a grammar compiling) are never scheduled before it turns True, the requests added
-  behind them are scheduled meanwhile (waiting for a grammar blocks no one), and every
-  request still finishes with exact outputs.
+- `grammar-ready` (g): requests a plugin reports in `requests_not_ready` for a number of
+  steps (a grammar compiling) are never scheduled before they are ready, the requests
+  added behind them are scheduled meanwhile (waiting for a grammar blocks no one), and
+  every request still finishes with exact outputs.
 
 Per step, every check verifies (a violation raises `ConformanceError` naming the rule):
 

@@ -67,7 +67,7 @@ class DriverRules:
             ready_at = self.specs[rid].ready_at if rid in self.specs else None
             if ready_at is not None and self.step <= ready_at:
                 raise self.error(
-                    "a request is not scheduled while its grammar_ready() is False",
+                    "a request is not scheduled while a plugin reports it not ready",
                     f"{rid} scheduled in step {self.step}; its grammar is ready after step "
                     f"{ready_at}",
                     rid,

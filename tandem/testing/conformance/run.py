@@ -9,8 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.core import hookimpl
+from tandem.core.config import ConfigError
 from tandem.core.engine_core import EngineCore
 from tandem.core.outputs import EngineCoreOutput
+from tandem.core.plugin_manager import load_plugin_class
 from tandem.core.request import Request
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.scheduler_state import SchedulerState
@@ -59,8 +61,17 @@ class RunResult:
 
 def stack_for(plugin: str, options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """The stack a conformance engine runs: the plugin as scheduler, then the default
-    sampler (the async layer is inserted by the plugin manager when async is on)."""
-    return [{"name": plugin, "options": dict(options or {})}, {"name": "default-sampler"}]
+    sampler (the async layer is inserted by the plugin manager when async is on). A policy
+    plugin (one without the scheduler role: a WAITING order, a victim or a readiness seam)
+    runs stacked after `reference-scheduler`."""
+    entry = {"name": plugin, "options": dict(options or {})}
+    try:
+        role = getattr(load_plugin_class(plugin), "role", None)
+    except ConfigError:
+        role = "scheduler"  # the engine start reports it
+    if role == "scheduler":
+        return [entry, {"name": "default-sampler"}]
+    return [{"name": "reference-scheduler"}, entry, {"name": "default-sampler"}]
 
 
 class _Probe:
@@ -92,6 +103,17 @@ class _Probe:
     def update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         self.driver.check_update_after_schedule(scheduler_output, self.after_schedule)
         self.driver.queue_in_flight_aborts()
+
+    @hookimpl
+    def requests_not_ready(self) -> set[str]:
+        """The workload's requests still waiting for their grammar in the step being
+        planned (`driver.step`): ready after step `ready_at`."""
+        driver = self.driver
+        return {
+            rid
+            for rid in driver.requests
+            if (ready_at := driver.specs[rid].ready_at) is not None and driver.step <= ready_at
+        }
 
 
 _VIOLATION = re.compile(r"^(?:KV: )?(?P<inv>.+?) violated(?: by (?P<rid>[^\s:]+))?")
@@ -186,9 +208,6 @@ class _Driver(DriverRules):
 
     def add(self, spec: RequestSpec) -> None:
         request = spec.make()
-        if spec.ready_at is not None:
-            ready_at = spec.ready_at
-            request.grammar_ready = lambda: self.step > ready_at  # `step` is being planned
         num_ahead = sum(1 for rid in self.requests if self.finish.get(rid) is None)
         self.requests[spec.rid] = request
         self.tokens[spec.rid] = []

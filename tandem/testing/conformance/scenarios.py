@@ -375,7 +375,7 @@ CHECK_LIST: tuple[Check, ...] = (
     ),
     Check(
         "grammar-ready",
-        "a request is not scheduled while its grammar_ready() is False, and blocks no one",
+        "a request is not scheduled while it is not ready, and blocks no one",
         _grammar_ready_workloads(),
     ),
 )

@@ -88,7 +88,7 @@ class RequestSpec:
     arrival: int = 0
     abort_at: int | None = None
     abort_in_flight_at: int | None = None
-    #: The request's `grammar_ready()` is False until this many steps have completed
+    #: The request is in `requests_not_ready` until this many steps have completed
     #: (None: no grammar to wait for).
     ready_at: int | None = None
 

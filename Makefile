@@ -11,8 +11,10 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: install test test-slow demo lint line-counts clean
 
 EXAMPLE_PLUGIN := examples/tandem-srpt
+EXAMPLE_VICTIM_PLUGIN := examples/tandem-lrw
 
-$(STAMP): pyproject.toml requirements/dev.txt $(EXAMPLE_PLUGIN)/pyproject.toml
+$(STAMP): pyproject.toml requirements/dev.txt $(EXAMPLE_PLUGIN)/pyproject.toml \
+		$(EXAMPLE_VICTIM_PLUGIN)/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
@@ -20,16 +22,19 @@ $(STAMP): pyproject.toml requirements/dev.txt $(EXAMPLE_PLUGIN)/pyproject.toml
 	$(BIN)/pip install -q -r requirements/dev.txt
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e $(EXAMPLE_PLUGIN)
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e $(EXAMPLE_VICTIM_PLUGIN)
 	touch $(STAMP)
 
 install: $(STAMP)
 
-# The engine's tests, then the example third-party plugin's own tests and the conformance
+# The engine's tests, then each example third-party plugin's own tests and the conformance
 # suite on it (installed above, found through its entry point only).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -p no:cacheprovider tests
 	cd $(EXAMPLE_PLUGIN) && ../../$(BIN)/python -m pytest -q -p no:cacheprovider tests \
-		--tandem-conformance srpt-scheduler
+		--tandem-conformance srpt-order
+	cd $(EXAMPLE_VICTIM_PLUGIN) && ../../$(BIN)/python -m pytest -q -p no:cacheprovider tests \
+		--tandem-conformance lrw-victim
 
 # Long sweeps, never counted as CI; the engine fuzz runs TANDEM_FUZZ_WORKLOADS workloads.
 TANDEM_FUZZ_WORKLOADS ?= 5000

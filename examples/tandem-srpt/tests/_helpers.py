@@ -12,14 +12,21 @@ from tandem.core.outputs import EngineCoreOutput
 from tandem.core.request import Request, RequestStatus
 from tandem.testing import expected_scripted_output, make_request
 
+from tandem_srpt import SRPTOrder, SRPTQueue
+
 VOCAB = 128
 EOS = 1
 STACK = Path(__file__).resolve().parent.parent / "stack.yaml"
 
 
 def srpt_stack(aging_rate: float = 64.0) -> list[Any]:
-    """A plugin stack naming the plugin by its entry-point name only."""
-    return [{"name": "srpt-scheduler", "options": {"aging_rate": aging_rate}}, "default-sampler"]
+    """A plugin stack naming the plugin by its entry-point name only, stacked with the
+    reference scheduler."""
+    return [
+        "reference-scheduler",
+        {"name": "srpt-order", "options": {"aging_rate": aging_rate}},
+        "default-sampler",
+    ]
 
 
 def prompt(request_id: str, length: int) -> list[int]:
@@ -43,6 +50,20 @@ def expected(request: Request, max_model_len: int) -> tuple[list[int], str]:
 def scheduler_of(engine: EngineCore) -> Any:
     (scheduler,) = engine.plugin_manager.plugins_with_role("scheduler")
     return scheduler
+
+
+def order_of(engine: EngineCore) -> SRPTOrder:
+    """The engine's `srpt-order` plugin instance."""
+    plugin = engine.plugin_manager.get_plugin("srpt-order")
+    assert isinstance(plugin, SRPTOrder)
+    return plugin
+
+
+def queue_of(engine: EngineCore) -> SRPTQueue:
+    """The scheduler's WAITING queue: the one `srpt-order` made."""
+    queue = order_of(engine).queue
+    assert queue is not None and scheduler_of(engine).waiting is queue
+    return queue
 
 
 @dataclass

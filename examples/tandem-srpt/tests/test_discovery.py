@@ -3,35 +3,35 @@
 from __future__ import annotations
 
 import pytest
-from tandem import LLM, SamplingParams
+from tandem import LLM, SamplingParams, load_config
 from tandem.cli import main as tandem_cli
 from tandem.core.engine_core import EngineCore
 from tandem.core.plugin_manager import discover_plugins, load_plugin_class
 from tandem.core.resolve import resolve_config
-from tandem.stack_file import load_config
 from tandem.testing import collect_outputs, expected_scripted_output
 
-from _helpers import EOS, STACK, VOCAB, expected, prompt, req, scheduler_of
-from tandem_srpt.scheduler import SRPTScheduler
+from _helpers import EOS, STACK, VOCAB, expected, order_of, prompt, queue_of, req
+from tandem_srpt.order import SRPTOrder
 
 
 def test_discovery_reports_the_distribution() -> None:
-    info = discover_plugins()["srpt-scheduler"]
+    info = discover_plugins()["srpt-order"]
     assert info.distribution == "tandem-srpt"
     assert info.version == "0.1.0"
-    assert info.value == "tandem_srpt.scheduler:SRPTScheduler"
-    assert load_plugin_class("srpt-scheduler") is SRPTScheduler
+    assert info.value == "tandem_srpt.order:SRPTOrder"
+    assert load_plugin_class("srpt-order") is SRPTOrder
 
 
 def test_cli_lists_and_shows_the_plugin(capsys: pytest.CaptureFixture[str]) -> None:
     assert tandem_cli(["plugins", "list"]) == 0
     listing = capsys.readouterr().out
-    line = next(ln for ln in listing.splitlines() if ln.startswith("srpt-scheduler"))
+    line = next(ln for ln in listing.splitlines() if ln.startswith("srpt-order"))
     assert "(tandem-srpt 0.1.0)" in line
     block = listing[listing.index(line) :]
-    assert "aging_rate" in block.splitlines()[2]  # the options schema line
+    options = next(ln for ln in block.splitlines()[1:] if ln.lstrip().startswith("options:"))
+    assert "aging_rate" in options  # the options schema line of this plugin's block
 
-    assert tandem_cli(["plugins", "show", "srpt-scheduler"]) == 0
+    assert tandem_cli(["plugins", "show", "srpt-order"]) == 0
     shown = capsys.readouterr().out
     assert '"aging_rate": 64.0' in shown
     assert "Starvation bound" in shown
@@ -40,9 +40,11 @@ def test_cli_lists_and_shows_the_plugin(capsys: pytest.CaptureFixture[str]) -> N
 def test_cli_config_show_resolves_the_yaml_stack(capsys: pytest.CaptureFixture[str]) -> None:
     assert tandem_cli(["config", "show", str(STACK)]) == 0
     shown = capsys.readouterr().out
-    assert "0. srpt-scheduler" in shown
+    assert "0. reference-scheduler" in shown
     assert "1. async-scheduler" in shown  # added after the scheduler by its role
-    assert "schedule: srpt-scheduler" in shown
+    assert "2. srpt-order" in shown
+    assert "make_waiting_queue: srpt-order" in shown
+    assert "schedule: reference-scheduler" in shown
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
@@ -50,13 +52,14 @@ def test_engine_from_yaml_stack(async_scheduling: bool) -> None:
     config = resolve_config(load_config(STACK, async_scheduling=async_scheduling))
     engine = EngineCore(config, source=str(STACK))
     try:
-        expected_names = ["srpt-scheduler", "default-sampler"]
+        expected_names = ["reference-scheduler", "srpt-order", "default-sampler"]
         if async_scheduling:
             expected_names.insert(1, "async-scheduler")
         assert engine.plugin_manager.plugin_names() == expected_names
-        scheduler = scheduler_of(engine)
-        assert type(scheduler) is SRPTScheduler
-        assert scheduler.aging_rate == 16.0
+        order = order_of(engine)
+        assert type(order) is SRPTOrder
+        assert order.aging_rate == 16.0
+        assert queue_of(engine).aging_rate == 16.0  # the scheduler's WAITING queue
         requests = [req(f"r{i}", 4 + 9 * i, 6 + 5 * (i % 3)) for i in range(6)]
         for r in requests:
             engine.add_request(r)
@@ -72,7 +75,8 @@ def test_llm_front_door_with_the_stack() -> None:
     prompts = [prompt(f"p{i}", 3 + 11 * i) for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=12)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    assert type(scheduler_of(llm.engine)) is SRPTScheduler
+    assert type(order_of(llm.engine)) is SRPTOrder
+    assert queue_of(llm.engine).aging_rate == 16.0
     for p, out in zip(prompts, outs, strict=True):
         want = expected_scripted_output(p, params, VOCAB, EOS, llm.config.max_model_len)
         assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == want

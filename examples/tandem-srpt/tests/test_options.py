@@ -6,14 +6,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tandem import load_config
 from tandem.core.engine_core import EngineCore
 from tandem.core.plugin_manager import PluginConfigError
 from tandem.core.resolve import resolve_config
-from tandem.stack_file import load_config
 from tandem.testing import make_scripted_engine
 
 from _helpers import STACK, srpt_stack
-from tandem_srpt.scheduler import SRPTOptions
+from tandem_srpt.order import SRPTOptions
 
 
 @pytest.mark.parametrize(
@@ -30,16 +30,17 @@ from tandem_srpt.scheduler import SRPTOptions
 )
 def test_bad_aging_rate_names_the_option(value: Any, message: str) -> None:
     with pytest.raises(PluginConfigError) as info:
-        make_scripted_engine(plugins=[{"name": "srpt-scheduler", "options": {"aging_rate": value}}])
+        make_scripted_engine(plugins=srpt_stack(value))
     text = str(info.value)
-    assert "plugins[0].options: aging_rate:" in text
+    assert "plugins[1].options: aging_rate:" in text
     assert message in text
     assert repr(value) in text
 
 
 def test_unknown_option_is_rejected() -> None:
-    with pytest.raises(PluginConfigError, match=r"plugins\[0\]\.options: aging: unknown field"):
-        make_scripted_engine(plugins=[{"name": "srpt-scheduler", "options": {"aging": 1.0}}])
+    stack = ["reference-scheduler", {"name": "srpt-order", "options": {"aging": 1.0}}]
+    with pytest.raises(PluginConfigError, match=r"plugins\[1\]\.options: aging: unknown field"):
+        make_scripted_engine(plugins=stack)
 
 
 def test_bad_option_in_a_yaml_stack_names_the_file(tmp_path: Path) -> None:
@@ -49,8 +50,8 @@ def test_bad_option_in_a_yaml_stack_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(PluginConfigError) as info:
         EngineCore(config, source=str(stack))
     # `file:line:` of the plugin's entry in the stack, then the key path.
-    line = 1 + stack.read_text().splitlines().index("  - name: srpt-scheduler")
-    assert str(info.value).startswith(f"{stack}:{line}: plugins[0].options: aging_rate: ")
+    line = 1 + stack.read_text().splitlines().index("  - name: srpt-order")
+    assert str(info.value).startswith(f"{stack}:{line}: plugins[1].options: aging_rate: ")
     assert "greater than 0" in str(info.value)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from tandem.testing import make_request
 
-from _helpers import Run, expected, prompt, req, scheduler_of, srpt_stack
+from _helpers import Run, expected, prompt, queue_of, req, scheduler_of, srpt_stack
 
 MAX_MODEL_LEN = 128
 
@@ -59,7 +59,7 @@ def test_outputs_equal_the_reference(
     run.check_outputs(MAX_MODEL_LEN)
     assert run.admission_order != list(run.requests), "SRPT should not admit in FCFS order"
     assert scheduler_of(engine).num_preemptions > 0, "the workload should preempt"
-    assert len(scheduler_of(engine).srpt_queue.arrival_steps) == 0  # nothing leaks
+    assert len(queue_of(engine).arrival_steps) == 0  # nothing leaks
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -69,7 +69,7 @@ def test_aborts_of_waiting_and_running_requests(
     engine = scripted_engine_factory(
         plugins=srpt_stack(), async_scheduling=async_scheduling, max_num_seqs=1
     )
-    queue = scheduler_of(engine).srpt_queue
+    queue = queue_of(engine)
     run = Run(engine)
     for request in (req("b", 10, 30), req("c", 20, 25), req("a", 6, 20)):
         run.add(request)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from _helpers import Run, req, scheduler_of, srpt_stack
+from _helpers import Run, queue_of, req, scheduler_of, srpt_stack
 from tandem_srpt import overtaking_window, remaining_work, waiting_steps_bound
 
 MODES = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -56,7 +56,7 @@ def test_later_short_arrival_overtakes_only_inside_its_window(
         while run.step < arrival:
             run.step_once()
         run.add(req("short", 4, 3))
-        queue = scheduler_of(engine).srpt_queue
+        queue = queue_of(engine)
         keys = {r.request_id: queue.key(r) for r in queue}
         assert list(keys) == (["short", "long-2"] if overtakes else ["long-2", "short"])
         run.run_until_idle()

@@ -1,7 +1,7 @@
-"""The WAITING queue of the SRPT scheduler: shortest remaining work first, with aging.
+"""The WAITING queue of `srpt-order`: shortest remaining work first, with aging.
 
 The policy, for a request R waiting at scheduler step `now` (one step = one `schedule`
-call):
+call, counted by `advance`):
 
     key(R, now) = W(R) - aging_rate * (now - s(R))
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from tandem.core.request import Request
 
@@ -44,50 +44,55 @@ def remaining_work(request: Request, max_model_len: int) -> int:
 class SRPTQueue:
     """WAITING ordered by the virtual deadline `remaining_work + aging_rate * s`.
 
-    Same interface as the reference scheduler's queues (`tandem.plugins.request_queue`):
-    `add`, `prepend`, `peek`, `pop`, `remove`, `len()`, iteration in admission order. `clock`
-    returns the current scheduler step. `add` starts a request's age at the current step;
-    `prepend` (a preempted request going back) keeps the step at which it first entered, so
-    a preempted request keeps its age and normally resumes ahead of later arrivals, as under
-    FCFS. The scheduler calls `forget` when a request leaves the engine.
+    A `tandem.core.waiting_queue.WaitingQueue`. `step` counts `advance` calls (scheduler
+    steps). `add` starts a request's age at the current step; `prepend` (a request put back:
+    preempted, or skipped while not ready) keeps the step at which it first entered, so a
+    preempted request keeps its age and normally resumes ahead of later arrivals, as under
+    FCFS. The plugin calls `forget` / `forget_finished` when requests leave the engine.
     """
 
-    def __init__(self, aging_rate: float, max_model_len: int, clock: Callable[[], int]) -> None:
+    def __init__(self, aging_rate: float, max_model_len: int) -> None:
         if not aging_rate > 0:
             raise ValueError(f"aging_rate: must be > 0, got {aging_rate!r}")
         self.aging_rate = aging_rate
         self.max_model_len = max_model_len
-        self._clock = clock
+        #: Scheduler steps so far (`advance` calls).
+        self.step = 0
         self._heap: list[tuple[float, int, Request]] = []
         self._order = itertools.count()
-        #: Step at which each live request entered the engine (kept across preemptions).
-        self.arrival_steps: dict[str, int] = {}
+        #: Per live request: the step it entered the engine (kept across preemptions).
+        self._entered: dict[str, tuple[int, Request]] = {}
+
+    @property
+    def arrival_steps(self) -> dict[str, int]:
+        """The step at which each live request entered the engine."""
+        return {rid: step for rid, (step, _) in self._entered.items()}
 
     # Policy ----------------------------------------------------------------------------
     def deadline(self, request: Request) -> float:
         """The time-invariant sort key `W + aging_rate * s` of a known request."""
-        s = self.arrival_steps[request.request_id]
+        s = self._entered[request.request_id][0]
         return remaining_work(request, self.max_model_len) + self.aging_rate * s
 
     def key(self, request: Request, now: int | None = None) -> float:
         """The SRPT-with-aging key at step `now` (default: the current step): remaining work
         minus `aging_rate` times the steps waited since arrival. Smaller goes first."""
-        now = self._clock() if now is None else now
-        steps_waited = now - self.arrival_steps[request.request_id]
+        now = self.step if now is None else now
+        steps_waited = now - self._entered[request.request_id][0]
         return remaining_work(request, self.max_model_len) - self.aging_rate * steps_waited
 
-    # Queue interface -------------------------------------------------------------------
+    # WaitingQueue ----------------------------------------------------------------------
     def _push(self, request: Request) -> None:
         heapq.heappush(self._heap, (self.deadline(request), next(self._order), request))
 
     def add(self, request: Request) -> None:
         """A new request: it ages from the current step."""
-        self.arrival_steps[request.request_id] = self._clock()
+        self._entered[request.request_id] = (self.step, request)
         self._push(request)
 
     def prepend(self, request: Request) -> None:
-        """A preempted request goes back: it keeps the age it had."""
-        self.arrival_steps.setdefault(request.request_id, self._clock())
+        """A request put back: it keeps the age it had."""
+        self._entered.setdefault(request.request_id, (self.step, request))
         self._push(request)
 
     def peek(self) -> Request:
@@ -96,15 +101,14 @@ class SRPTQueue:
     def pop(self) -> Request:
         return heapq.heappop(self._heap)[2]
 
-    def remove(self, requests: Iterable[Request]) -> None:
+    def discard(self, requests: Iterable[Request]) -> None:
         drop = {id(r) for r in requests}
         self._heap = [entry for entry in self._heap if id(entry[2]) not in drop]
         heapq.heapify(self._heap)
 
-    def forget(self, request_ids: Iterable[str]) -> None:
-        """Drop the arrival steps of requests that left the engine (finished or aborted)."""
-        for request_id in request_ids:
-            self.arrival_steps.pop(request_id, None)
+    def advance(self, now: float) -> None:
+        """One scheduler step passed (ages by steps: the wall clock `now` is not used)."""
+        self.step += 1
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -112,3 +116,16 @@ class SRPTQueue:
     def __iter__(self) -> Iterator[Request]:
         """Queued requests in admission order (smallest key first)."""
         return (entry[2] for entry in sorted(self._heap, key=lambda e: (e[0], e[1])))
+
+    # Requests leaving the engine -------------------------------------------------------
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop the arrival steps of requests that left the engine (aborted)."""
+        for request_id in request_ids:
+            self._entered.pop(request_id, None)
+
+    def forget_finished(self, request_ids: Iterable[str]) -> None:
+        """Drop the arrival steps of those of `request_ids` that finished."""
+        for request_id in request_ids:
+            entry = self._entered.get(request_id)
+            if entry is not None and entry[1].is_finished:
+                del self._entered[request_id]

@@ -1,10 +1,14 @@
-"""`srpt-scheduler`: shortest-remaining-processing-time first, with aging.
+"""`srpt-order`: WAITING shortest-remaining-processing-time first, with aging.
 
-A drop-in replacement for `reference-scheduler` that only changes *which WAITING request is
+A policy plugin stacked with `reference-scheduler`: it answers one hook,
+`make_waiting_queue`, with an `SRPTQueue`, and so changes only *which WAITING request is
 admitted next*. Everything else (token budget, chunked prefill,
 `long_prefill_token_threshold`, preemption by recompute, prefix caching, the placeholder
 rules of async scheduling, stop checks) is the reference scheduler's, so the tokens each
 request produces are exactly the reference ones; only the order (and so latency) changes.
+
+    plugins: [reference-scheduler, {name: srpt-order, options: {aging_rate: 16.0}},
+              default-sampler]
 
 Policy. At scheduler step `now` (one `schedule` call), WAITING is served in increasing
 
@@ -37,12 +41,8 @@ Under pure SRPT (`aging_rate -> 0`) `H` is unbounded and a long request starves 
 steady stream of short ones; `aging_rate` trades that bound against how strongly short
 requests are favoured (a very large rate degenerates to FCFS).
 
-Extension point used: the reference scheduler builds its queue in `__init__`
-(`self.waiting = make_queue(policy)`) and only calls `add`, `prepend`, `peek`, `pop`,
-`remove`, `len()` and iteration on it; this subclass replaces that attribute after
-`super().__init__()` with an `SRPTQueue` that has the same methods. The only other overrides
-are `abort_requests` and `update_from_output`, which call the reference implementation and
-then forget the arrival step of the requests that left the engine.
+Seams used: `make_waiting_queue` (the queue); `abort_requests` and `update_from_output`
+(`trylast`, after the scheduler) only to forget the arrival step of requests that left.
 """
 
 from __future__ import annotations
@@ -53,19 +53,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from tandem.core import hookimpl
 from tandem.core.config import EngineConfig
 from tandem.core.model_runner_output import ModelRunnerOutput
-from tandem.core.outputs import EngineCoreOutput
-from tandem.core.plugin_manager import PluginConfigError
+from tandem.core.plugin_manager import PluginConfigError, TandemPlugin
 from tandem.core.request import RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput
-from tandem.plugins.reference_scheduler import ReferenceScheduler
 
 from tandem_srpt.queue import SRPTQueue
 
-__all__ = ["SRPTOptions", "SRPTScheduler", "overtaking_window", "waiting_steps_bound"]
+__all__ = ["SRPTOptions", "SRPTOrder", "overtaking_window", "waiting_steps_bound"]
 
 
 class SRPTOptions(BaseModel):
-    """Options of `srpt-scheduler` (the `options:` mapping of its stack entry)."""
+    """Options of `srpt-order` (the `options:` mapping of its stack entry)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -103,44 +101,42 @@ def waiting_steps_bound(
     return admission_interval * (ahead + 1) - 1
 
 
-class SRPTScheduler(ReferenceScheduler):
-    """The reference scheduler with WAITING ordered by remaining work minus aging."""
+class SRPTOrder(TandemPlugin):
+    """Supplies the scheduler's WAITING queue: remaining work minus aging, smallest first."""
 
-    role = "scheduler"
     Options = SRPTOptions
 
     def __init__(self, config: EngineConfig, options: BaseModel) -> None:
         if config.scheduler.scheduling_policy != "fcfs":
             raise PluginConfigError(
-                f"scheduler.scheduling_policy: srpt-scheduler orders WAITING by remaining "
-                f"work and supports only 'fcfs' (arrival order breaks ties), got "
+                f"scheduler.scheduling_policy: srpt-order orders WAITING by remaining work "
+                f"and supports only 'fcfs' (arrival order breaks ties), got "
                 f"{config.scheduler.scheduling_policy!r}"
             )
         super().__init__(config, options)
         assert isinstance(options, SRPTOptions)
         self.aging_rate = options.aging_rate
-        #: The WAITING queue (the same object as `self.waiting`, typed).
-        self.srpt_queue = SRPTQueue(
-            options.aging_rate, self.max_model_len, clock=lambda: self.step_id
-        )
-        # The reference scheduler types `waiting` as its own queue classes; SRPTQueue has
-        # the same methods (there is no queue protocol to declare it against).
-        self.waiting = self.srpt_queue  # type: ignore[assignment]
+        #: The WAITING queue, once the scheduler asked for it (`make_waiting_queue`).
+        self.queue: SRPTQueue | None = None
 
     def overtaking_window_steps(self) -> int:
         """The longest overtaking window any request can have in this engine."""
-        return overtaking_window(self.max_model_len, self.aging_rate)
+        return overtaking_window(self.config.max_model_len, self.aging_rate)
+
+    @hookimpl
+    def make_waiting_queue(self, config: EngineConfig) -> SRPTQueue:
+        self.queue = SRPTQueue(self.aging_rate, config.max_model_len)
+        return self.queue
 
     # Forget the arrival step of requests that leave the engine ----------------------------
     @hookimpl
     def abort_requests(self, request_ids: list[str], status: RequestStatus) -> None:
-        super().abort_requests(request_ids, status)
-        self.srpt_queue.forget(rid for rid in request_ids if rid not in self.requests)
+        if self.queue is not None:
+            self.queue.forget(request_ids)
 
-    @hookimpl
+    @hookimpl(trylast=True)
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> list[EngineCoreOutput]:
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
-        self.srpt_queue.forget(o.request_id for o in outputs if o.finish_reason is not None)
-        return outputs
+    ) -> None:
+        if self.queue is not None:
+            self.queue.forget_finished(scheduler_output.num_scheduled_tokens)

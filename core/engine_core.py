@@ -22,7 +22,7 @@ from tandem.core.executor import Executor, make_executor
 from tandem.core.live_requests import LiveRequests
 from tandem.core.model_runner_output import ModelRunnerOutput, resolve_output
 from tandem.core.outputs import EngineCoreOutput
-from tandem.core.plugin_manager import TandemPluginManager, load_plugin_class
+from tandem.core.plugin_manager import TandemPluginManager, capability, loadable_plugins
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.scheduler_state import SchedulerState
@@ -31,9 +31,6 @@ from tandem.request_checks import check_request
 logger = logging.getLogger("tandem.engine")
 
 QueuedStep = tuple[Future, SchedulerOutput, Future]
-#: Config flags that attach a cross-cutting plugin (on wrapper hooks) to every engine, found
-#: by its entry-point name like any plugin; its class method `attach(engine)` registers it.
-OBSERVERS = {"check_invariants": "invariant-checker", "trace_hooks": "hook-tracing"}
 
 #: Longest an idle engine lets plugins block in `wait_for_work` (new requests and aborts
 #: are picked up after it).
@@ -72,9 +69,10 @@ class EngineCore:
         #: Wraps each wait for a step's results, the one part of a step that is no hook
         #: call (the tracing plugin times it); returns a context manager.
         self.wait_observer: Callable[[], AbstractContextManager[None]] | None = None
-        for flag, name in OBSERVERS.items():
-            if getattr(config, flag):
-                load_plugin_class(name, flag).attach(self)
+        for cls in loadable_plugins().values():  # cross-cutting plugins on wrapper hooks
+            flag = capability(cls, "attached_by")
+            if flag and getattr(config, flag, False):
+                cls.attach(self)
 
     # Requests -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

@@ -55,6 +55,9 @@ class TandemPlugin:
     #: "scheduler", "async-layer", "sampler", "drafter" or "grammar": the resolver places
     #: and counts plugins by role (one scheduler, at most one drafter, ...).
     role: ClassVar[str | None] = None
+    #: Fills its role in a stack that names none (the default stack's scheduler and
+    #: sampler, the async layer implied by async scheduling); one installed plugin per role.
+    default_for_role: ClassVar[bool] = False
     #: drafter: the `speculative.method` values it answers (a default stack takes the
     #: installed drafter declaring the configured method).
     speculative_methods: ClassVar[tuple[str, ...]] = ()
@@ -68,6 +71,9 @@ class TandemPlugin:
     needs_tokenizer: ClassVar[bool] = False
     #: sampler: applies the grammar bitmask (`grammar_bitmask`'s answer) when sampling.
     applies_grammar_bitmask: ClassVar[bool] = False
+    #: cross-cutting (tracing, invariant checks): the config flag that attaches it to every
+    #: engine; its class method `attach(engine)` registers it on the engine's manager.
+    attached_by: ClassVar[str | None] = None
 
     def __init__(self, config: EngineConfig, options: BaseModel) -> None:
         self.config = config

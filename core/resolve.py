@@ -109,12 +109,28 @@ def _one_declaring(field: str, role: str, attr: str, value: str, required: bool)
     return claimants[0] if claimants else None
 
 
+def default_for(role: str) -> str:
+    """The installed plugin declaring itself the default of `role` (`default_for_role`)."""
+    named = [
+        n
+        for n, c in loadable_plugins().items()
+        if capability(c, "role") == role and capability(c, "default_for_role")
+    ]
+    if len(named) != 1:
+        raise PluginConfigError(
+            f"plugins: {len(named)} installed plugins declare themselves the default {role} "
+            f"({', '.join(named) or 'none'}); name the stack's plugins explicitly"
+        )
+    return named[0]
+
+
 def default_stack(config: EngineConfig) -> list[PluginSpec]:
-    """The stack used when the config names none: the reference scheduler and sampler,
-    the grammar plugin declaring `structured_output.backend` when the model's loader says
-    it has a tokenizer (or the plugin needs none), and the drafter declaring
-    `speculative.method` when speculative decoding is configured."""
-    stack = [PluginSpec(name="reference-scheduler"), PluginSpec(name="default-sampler")]
+    """The stack used when the config names none: the default scheduler and sampler (the
+    plugins declaring `default_for_role`), the grammar plugin declaring
+    `structured_output.backend` when the model's loader says it has a tokenizer (or the
+    plugin needs none), and the drafter declaring `speculative.method` when speculative
+    decoding is configured. The kernel names no plugin: each declares what it answers."""
+    stack = [PluginSpec(name=default_for("scheduler")), PluginSpec(name=default_for("sampler"))]
     backend = config.structured_output.backend
     grammar = _one_declaring(
         "structured_output.backend", "grammar", "grammar_backends", backend, backend != "auto"
@@ -246,8 +262,9 @@ def _finish(config: EngineConfig, entries: list[StackEntry], source: str) -> Res
     stack = ResolvedStack(tuple(entries))
     layers, schedulers = stack.with_role("async-layer"), stack.with_role("scheduler")
     if config.scheduler.async_scheduling and not layers and schedulers:
-        implied = f"{source}: plugin 'async-scheduler' (implied by the stack)"
-        layer = _entry(config, PluginSpec(name="async-scheduler"), implied)
+        name = default_for("async-layer")
+        implied = f"{source}: plugin {name!r} (implied by the stack)"
+        layer = _entry(config, PluginSpec(name=name), implied)
         index = entries.index(schedulers[0]) + 1
         stack = ResolvedStack((*entries[:index], layer, *entries[index:]))
     if not config.scheduler.async_scheduling and layers:
@@ -260,7 +277,7 @@ def _finish(config: EngineConfig, entries: list[StackEntry], source: str) -> Res
     if not any("sample" in implemented_hooks(e.cls) for e in stack.entries):
         raise PluginConfigError(
             f"{source}: plugins: the stack has no sampler (no plugin implements "
-            "`sample`); add 'default-sampler'"
+            f"`sample`); add {default_for('sampler')!r}"
         )
     return stack
 
@@ -268,7 +285,7 @@ def _finish(config: EngineConfig, entries: list[StackEntry], source: str) -> Res
 def resolve_stack(config: EngineConfig, source: str | None = None) -> ResolvedStack:
     """Resolve names to classes, validate options, add implied plugins, reject conflicts.
 
-    The async layer (`async-scheduler`) is inserted right after the scheduler when
+    The default async layer (`default_for_role`) is inserted right after the scheduler when
     `scheduler.async_scheduling` is true and the stack does not name an async layer.
     Errors name the stack file's line and entry (`file:N: plugins[i]`)."""
     source = source or config.source

@@ -23,6 +23,7 @@ from tandem.core.scheduler_output import SchedulerOutput
 
 class AsyncScheduler(TandemPlugin):
     role = "async-layer"
+    default_for_role = True
 
     def __init__(self, config: EngineConfig, options: BaseModel) -> None:
         super().__init__(config, options)

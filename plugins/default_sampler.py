@@ -153,6 +153,7 @@ class DefaultSampler(TandemPlugin):
     """Greedy, temperature, top-k/p, min-p, penalties, seeds; verifies drafts exactly."""
 
     role = "sampler"
+    default_for_role = True
     applies_grammar_bitmask = True
 
     def __init__(self, config, options) -> None:  # noqa: ANN001

@@ -95,6 +95,7 @@ class InvariantChecker(TandemPlugin):
     """Checks the invariants after every `update_from_output` (the engine's step count)."""
 
     name: ClassVar[str] = "invariant-checker"
+    attached_by: ClassVar[str | None] = "check_invariants"
 
     def __init__(self, config: EngineConfig, options: BaseModel) -> None:
         super().__init__(config, options)

@@ -129,6 +129,8 @@ class HookTracing:
     one already registered. It is no stack entry: a stack naming `hook-tracing` fails to
     load, pointing at `trace_hooks: true` (its hooks are generated per engine at attach)."""
 
+    attached_by: ClassVar[str | None] = "trace_hooks"
+
     name: ClassVar[str] = "hook-tracing"
 
     def __init__(self, engine: EngineCore, tracer: StepTracer | None = None) -> None:

@@ -39,6 +39,7 @@ class ReferenceScheduler(TandemPlugin):
     """Owns the WAITING and RUNNING queues, the request registry and the KV cache manager."""
 
     role = "scheduler"
+    default_for_role = True
     #: Tokens every decode step samples: 1 for autoregressive models, 0 for diffusion.
     num_sampled_tokens_per_step = 1
 

@@ -21,308 +21,39 @@ matches `^a|b$`. What this module does with a pattern:
   exclude `"`, `\\` and control characters (else the model may close the string early or
   write an escape that decodes to something the pattern never allowed), and a literal
   quote or backslash becomes its JSON escape.
+
+The nodes are in `pattern_ast.py`, the parser in `pattern_parser.py`.
 """
 
 from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-#: Characters a raw JSON string cannot contain, as a class body (outlines dialect).
-_JSON_UNSAFE = '"\\\\\\x00-\\x1f'
-_SAFE_ANY = f"[^{_JSON_UNSAFE}]"
-_CLASS_ESCAPES = set("dDwWsS")
-_NEGATED_ESCAPES = set("DWS")
-_CONTROL_ESCAPES = {"n": "\\\\n", "t": "\\\\t", "r": "\\\\r", "f": "\\\\f"}
+from tandem.structured_output.pattern_ast import (
+    Anchor,
+    Group,
+    Node,
+    PatternError,
+    Repeat,
+    Sequence,
+    Unit,
+    _seq_width,
+)
+from tandem.structured_output.pattern_parser import _Parser
 
-
-class PatternError(ValueError):
-    """The pattern uses a feature the backends cannot compile, or does not parse."""
-
-
-@dataclass
-class Unit:
-    """One character: a literal, an escape, a class or `.`."""
-
-    text: str
-    kind: str  # "literal", "escape", "class", "dot"
-
-    def width(self) -> tuple[int, int | None]:
-        return 1, 1
-
-    def source(self, json_safe: bool) -> str:
-        if not json_safe:
-            return self.text
-        if self.kind == "dot":
-            return _SAFE_ANY
-        if self.kind == "class":
-            negated = self.text.startswith("[^")
-            body = self.text[2:-1] if negated else self.text[1:-1]
-            if negated:
-                return f"[^{body}{_JSON_UNSAFE}]"
-            return f"[{body}--[{_JSON_UNSAFE}]]"
-        if self.kind == "escape":
-            letter = self.text[1]
-            if letter in _NEGATED_ESCAPES or self.text.startswith("\\P"):
-                return f"[{self.text}--[{_JSON_UNSAFE}]]"
-            if letter == "s":
-                return "[\\s--[\\x00-\\x1f]]"
-            if letter in _CONTROL_ESCAPES:
-                return _CONTROL_ESCAPES[letter]
-            if letter in "vc0":
-                raise PatternError(
-                    f"{self.text!r} matches a control character, which a JSON string "
-                    "cannot hold unescaped"
-                )
-            if letter == "\\":
-                return "\\\\\\\\"
-            if letter == '"':
-                return '\\\\"'
-            if letter in "xu":
-                char = _hex_char(self.text)
-                if char is not None:
-                    return _json_literal(char)
-            return self.text
-        return _json_literal(self.text)
-
-
-def _hex_char(text: str) -> str | None:
-    digits = text[2:].strip("{}")
-    try:
-        return chr(int(digits, 16))
-    except ValueError:
-        return None
-
-
-def _json_literal(char: str) -> str:
-    """A regex (outlines dialect) of `char` as it appears inside a JSON string."""
-    if char == '"':
-        return '\\\\"'
-    if char == "\\":
-        return "\\\\\\\\"
-    if ord(char) < 0x20:
-        escape = {"\n": "n", "\t": "t", "\r": "r", "\f": "f", "\b": "b"}.get(char)
-        if escape is None:
-            raise PatternError(f"the pattern matches control character {char!r}")
-        return "\\\\" + escape
-    if char in "<>":  # `\<`/`\>` are word boundaries in the Rust dialect
-        return char
-    if not char.isalnum() and char.isascii() and char not in " _":
-        return "\\" + char
-    return char
-
-
-@dataclass
-class Anchor:
-    text: str  # "^" or "$"
-
-    def width(self) -> tuple[int, int | None]:
-        return 0, 0
-
-    def source(self, json_safe: bool) -> str:
-        return self.text
-
-
-@dataclass
-class Repeat:
-    node: Unit | Group
-    lo: int
-    hi: int | None
-
-    def width(self) -> tuple[int, int | None]:
-        lo, hi = self.node.width()
-        return lo * self.lo, (None if hi is None or self.hi is None else hi * self.hi)
-
-    def source(self, json_safe: bool) -> str:
-        inner = self.node.source(json_safe)
-        if (self.lo, self.hi) == (0, None):
-            quant = "*"
-        elif (self.lo, self.hi) == (1, None):
-            quant = "+"
-        elif (self.lo, self.hi) == (0, 1):
-            quant = "?"
-        elif self.lo == self.hi:
-            quant = f"{{{self.lo}}}"
-        else:
-            quant = f"{{{self.lo},{'' if self.hi is None else self.hi}}}"
-        return inner + quant
-
-
-Node = Unit | Anchor | Repeat
-Sequence = list["Node | Group"]
-
-
-@dataclass
-class Group:
-    alternatives: list[Sequence] = field(default_factory=list)
-
-    def width(self) -> tuple[int, int | None]:
-        widths = [_seq_width(s) for s in self.alternatives]
-        lo = min(w[0] for w in widths)
-        his = [w[1] for w in widths]
-        return lo, (None if any(h is None for h in his) else max(h for h in his if h is not None))
-
-    def source(self, json_safe: bool) -> str:
-        return "(?:" + "|".join(_seq_source(s, json_safe) for s in self.alternatives) + ")"
-
-
-def _seq_width(seq: Sequence) -> tuple[int, int | None]:
-    lo, hi = 0, 0
-    for node in seq:
-        a, b = node.width()
-        lo += a
-        hi = None if hi is None or b is None else hi + b
-    return lo, hi
-
-
-def _seq_source(seq: Sequence, json_safe: bool) -> str:
-    return "".join(node.source(json_safe) for node in seq)
-
-
-class _Parser:
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self.pos = 0
-
-    def error(self, what: str) -> PatternError:
-        return PatternError(f"{what} (at offset {self.pos})")
-
-    def peek(self, n: int = 1) -> str:
-        return self.text[self.pos : self.pos + n]
-
-    def alternatives(self) -> list[Sequence]:
-        alts: list[Sequence] = [[]]
-        while self.pos < len(self.text):
-            c = self.text[self.pos]
-            if c == ")":
-                break
-            if c == "|":
-                self.pos += 1
-                alts.append([])
-                continue
-            atom = self.atom()
-            if isinstance(atom, (Unit, Group)):
-                atom = self.quantified(atom)
-            alts[-1].append(atom)
-        return alts
-
-    def atom(self) -> Unit | Group | Anchor:
-        c = self.text[self.pos]
-        if c == "(":
-            return self.group()
-        if c == "[":
-            return self.char_class()
-        if c == "\\":
-            return self.escape()
-        if c in "^$":
-            self.pos += 1
-            return Anchor(c)
-        if c in "*+?":
-            raise self.error(f"nothing to repeat before {c!r}")
-        if c == "{" and re.match(r"\{\d+(,\d*)?\}", self.text[self.pos :]):
-            raise self.error("nothing to repeat before '{'")
-        self.pos += 1
-        return Unit(c, "dot" if c == "." else "literal")
-
-    def group(self) -> Group:
-        rest = self.text[self.pos :]
-        if rest.startswith(("(?=", "(?!", "(?<=", "(?<!")):
-            raise self.error("lookaround ((?=, (?!, (?<=, (?<!) is not a regular language")
-        if rest.startswith("(?P="):
-            raise self.error("backreferences are not a regular language")
-        match = re.match(r"\(\?(?::|P?<[A-Za-z_][A-Za-z0-9_]*>)", rest)
-        if match:
-            self.pos += match.end()
-        elif rest.startswith("(?"):
-            raise self.error("inline flags and other (? constructs are not supported")
-        else:
-            self.pos += 1
-        alts = self.alternatives()
-        if self.peek() != ")":
-            raise self.error("missing ')'")
-        self.pos += 1
-        return Group(alts)
-
-    def char_class(self) -> Unit:
-        start = self.pos
-        self.pos += 1
-        if self.peek() == "^":
-            self.pos += 1
-        if self.peek() == "]":
-            self.pos += 1
-        while self.pos < len(self.text) and self.text[self.pos] != "]":
-            c = self.text[self.pos]
-            if c == "\\":
-                self.pos += 2
-            elif c == "[" or self.peek(2) in ("&&", "--", "~~"):
-                raise self.error("nested classes and class set operations are not supported")
-            else:
-                self.pos += 1
-        if self.pos >= len(self.text):
-            raise self.error("missing ']'")
-        self.pos += 1
-        return Unit(self.text[start : self.pos], "class")
-
-    def escape(self) -> Unit:
-        start = self.pos
-        if self.pos + 1 >= len(self.text):
-            raise self.error("a trailing backslash")
-        c = self.text[self.pos + 1]
-        self.pos += 2
-        if c in "bB":
-            raise self.error("word boundaries (\\b, \\B) are not supported")
-        if c.isdigit() and c != "0" or c == "k":
-            raise self.error("backreferences are not a regular language")
-        if c in "pP":
-            match = re.match(r"\{[^}]*\}|[A-Za-z]", self.text[self.pos :])
-            if match is None:
-                raise self.error("a malformed \\p escape")
-            self.pos += match.end()
-        elif c == "x":
-            match = re.match(r"[0-9A-Fa-f]{2}|\{[0-9A-Fa-f]+\}", self.text[self.pos :])
-            if match is None:
-                raise self.error("a malformed \\x escape")
-            self.pos += match.end()
-        elif c == "u":
-            match = re.match(r"[0-9A-Fa-f]{4}|\{[0-9A-Fa-f]+\}", self.text[self.pos :])
-            if match is None:
-                raise self.error("a malformed \\u escape")
-            self.pos += match.end()
-        elif c == "c":
-            self.pos += 1
-        return Unit(self.text[start : self.pos], "escape")
-
-    def quantified(self, atom: Unit | Group) -> Unit | Group | Repeat:
-        node: Unit | Group | Repeat = atom
-        while self.pos < len(self.text):
-            c = self.text[self.pos]
-            if c in "*+?":
-                lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
-                self.pos += 1
-            elif c == "{":
-                match = re.match(r"\{(\d+)(,(\d*))?\}", self.text[self.pos :])
-                if match is None:
-                    return node
-                lo = int(match.group(1))
-                hi = (
-                    lo
-                    if match.group(2) is None
-                    else (int(match.group(3)) if match.group(3) else None)
-                )
-                if hi is not None and hi < lo:
-                    raise self.error(f"a repeat {match.group(0)} with max < min")
-                self.pos += match.end()
-            else:
-                return node
-            if self.peek() == "+":
-                raise self.error("possessive quantifiers are not supported")
-            if self.peek() == "?":
-                self.pos += 1  # lazy: the language is the same
-            if isinstance(node, Repeat):
-                node = Group([[node]])
-            node = Repeat(node, lo, hi)
-        return node
+__all__ = [
+    "Anchor",
+    "Group",
+    "Node",
+    "Pattern",
+    "PatternError",
+    "Repeat",
+    "Sequence",
+    "Unit",
+    "parse_pattern",
+]
 
 
 @dataclass

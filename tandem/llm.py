@@ -1,34 +1,41 @@
-"""`LLM`: vLLM's offline surface over the tandem engine."""
+"""`LLM`: vLLM's offline surface over the tandem engine.
+
+The class is the front door's flow (load, add, step, collect); its helpers live beside it:
+`llm_inputs.py` (argument checks), `chat_prompts.py` (conversations to prompts),
+`generation_defaults.py` (the model's default sampling parameters), `llm_progress.py`
+(the progress bar).
+"""
 
 from __future__ import annotations
 
 import itertools
-import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from numbers import Integral, Real
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from tandem.core.config import ConfigError, EngineConfig
+from tandem.chat_prompts import chat_prompts
+from tandem.core.config import EngineConfig
 from tandem.core.engine_core import EngineCore
 from tandem.core.executor import executor_class
 from tandem.core.request import Request, RequestRejectedError
 from tandem.core.resolve import resolve_config
 from tandem.core.worker.model_loader import model_loader_for
+from tandem.generation_defaults import load_generation_defaults
+from tandem.llm_inputs import (
+    PromptType,
+    _as_sampling_params,
+    _priorities,
+    _prompt_list,
+    _token_ids,
+)
+from tandem.llm_progress import ProgressOption, _Progress
 from tandem.output_processor import OutputProcessor
 from tandem.outputs import CompletionOutput, RequestOutput
-from tandem.sampling_params import SamplingParams, SamplingParamsError
+from tandem.sampling_params import SamplingParams
 from tandem.stack_file import load_config
 
-PromptType = str | Sequence[int] | dict[str, Any]
-#: `use_tqdm`: True (tqdm's bar), False, or a callable that makes the bar (vLLM's shape,
-#: e.g. `functools.partial(tqdm, leave=False)`).
-ProgressOption = bool | Callable[..., Any]
-
-logger = logging.getLogger("tandem.llm")
+__all__ = ["LLM", "ProgressOption", "PromptType"]
 
 
 class LLM:
@@ -65,7 +72,9 @@ class LLM:
         supports_async = executor_cls.supports_async_scheduling if executor_cls else False
         self.config = resolve_config(user_config, executor_supports_async=supports_async)
         self._loader = model_loader_for(self.config.model.model)
-        self._generation_defaults = self._load_generation_defaults()
+        self._generation_defaults = load_generation_defaults(
+            self.config, self._loader.has_tokenizer
+        )
         source = str(config) if isinstance(config, (str, Path)) else "<config>"
         self.engine = EngineCore(self.config, source=source)
         self.tokenizer = None
@@ -89,33 +98,6 @@ class LLM:
         (as `max_tokens`) over `SamplingParams()`'s; with `"vllm"`, `SamplingParams()`.
         A fresh object each call."""
         return SamplingParams(**self._generation_defaults)
-
-    def _load_generation_defaults(self) -> dict[str, Any]:
-        from tandem.core.worker.model_files import generation_defaults
-
-        choice = self.config.model.generation_config
-        if choice == "vllm" or (choice == "auto" and not self._loader.has_tokenizer):
-            return {}
-        directory = Path(self.config.model.model if choice == "auto" else choice).expanduser()
-        if choice != "auto" and not (directory / "generation_config.json").exists():
-            raise ConfigError(
-                f"model.generation_config: {choice!r} is not 'auto', 'vllm' or a directory "
-                "holding a generation_config.json"
-            )
-        defaults = generation_defaults(directory)
-        try:
-            SamplingParams(**defaults)
-        except ValueError as exc:  # SamplingParamsError: one line per bad field
-            where = f"model.generation_config: {directory / 'generation_config.json'}:"
-            raise ConfigError(str(exc).replace("SamplingParams:", where)) from None
-        if defaults:
-            logger.info(
-                "default sampling parameters from %s: %s (used when no SamplingParams is "
-                "given; generation_config='vllm' turns them off)",
-                directory / "generation_config.json",
-                defaults,
-            )
-        return defaults
 
     # Prompts and parameters -------------------------------------------------------------
     def _prompt_token_ids(self, prompt: PromptType, where: str) -> tuple[str | None, list[int]]:
@@ -319,52 +301,14 @@ class LLM:
         turn; `continue_final_message` instead continues the last (assistant) message, so
         the two exclude each other. `sampling_params` and `use_tqdm` are `generate`'s.
         """
-        if self.tokenizer is None:
-            raise ValueError(
-                "chat: the model has no tokenizer (the scripted model takes token ids)"
-            )
-        if add_generation_prompt and continue_final_message:
-            raise ValueError(
-                "continue_final_message: True needs add_generation_prompt=False (continue the "
-                "last message, or open a new assistant turn, not both)"
-            )
-        template = _chat_template(chat_template)
-        if template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(
-                "chat_template: the model's tokenizer has no chat template; pass one "
-                "(chat_template='{% for m in messages %}...')"
-            )
-        if not isinstance(messages, list) or not messages:
-            raise ValueError(
-                "messages: expected a conversation (a list of {'role', 'content'} mappings) "
-                f"or a list of conversations, got {messages!r}"
-            )
-        conversations = [messages] if isinstance(messages[0], Mapping) else messages
-        prompts = []
-        for c, conversation in enumerate(conversations):  # type: ignore[arg-type]
-            if not isinstance(conversation, list) or not conversation:
-                raise ValueError(
-                    f"messages[{c}]: expected a non-empty list of messages, got {conversation!r}"
-                )
-            for m, message in enumerate(conversation):
-                if (
-                    not isinstance(message, Mapping)
-                    or "role" not in message
-                    or "content" not in message
-                ):
-                    raise ValueError(
-                        f"messages[{c}][{m}]: expected a mapping with 'role' and 'content', got {message!r}"
-                    )
-            text = self.tokenizer.apply_chat_template(
-                conversation,
-                chat_template=template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **(chat_template_kwargs or {}),
-            )
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        prompts = chat_prompts(
+            self.tokenizer,
+            messages,
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            chat_template_kwargs,
+        )
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def spec_decode_metrics(self) -> dict[str, Any] | None:
@@ -394,151 +338,3 @@ class LLM:
             if self.output_processor.stopped_by_string:
                 self.engine.abort_requests(self.output_processor.stopped_by_string)
                 self.output_processor.stopped_by_string = []
-
-
-class _Progress:
-    """vLLM's progress bar: prompts processed (a prompt with n > 1 counts once, when its
-    last sequence ends) and the estimated input and output token rates."""
-
-    def __init__(
-        self,
-        use_tqdm: ProgressOption,
-        groups: list[tuple[str, list[str]]],
-        output_processor: OutputProcessor,
-    ) -> None:
-        if callable(use_tqdm):
-            factory = use_tqdm
-        else:
-            from tqdm.auto import tqdm as factory
-        self.records = output_processor.records
-        self.group_of = {rid: gid for gid, children in groups for rid in children}
-        self.remaining = {gid: len(children) for gid, children in groups}
-        self.input_tokens = 0
-        self.output_tokens = 0
-        self.started = time.perf_counter()
-        self.bar = factory(
-            total=len(groups),
-            desc="Processed prompts",
-            dynamic_ncols=True,
-            postfix=_speed(0.0, 0.0),
-        )
-        # Requests a plugin refused at add_request finished before the first step.
-        self.finished([rid for rid, record in self.records.items() if record.finish_reason])
-
-    def finished(self, request_ids: list[str]) -> None:
-        done = 0
-        for rid in request_ids:
-            gid = self.group_of.pop(rid, None)
-            if gid is None:
-                continue
-            record = self.records[rid]
-            self.input_tokens += len(record.prompt_token_ids)
-            self.output_tokens += len(record.token_ids)
-            self.remaining[gid] -= 1
-            done += self.remaining[gid] == 0
-        if done:
-            elapsed = max(time.perf_counter() - self.started, 1e-9)
-            self.bar.postfix = _speed(self.input_tokens / elapsed, self.output_tokens / elapsed)
-            self.bar.update(done)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-def _speed(input_rate: float, output_rate: float) -> str:
-    return f"est. speed input: {input_rate:.2f} toks/s, output: {output_rate:.2f} toks/s"
-
-
-# Argument checks: each raises ValueError naming the argument --------------------------
-def _prompt_list(prompts: Any) -> list[Any]:
-    """The prompts as a list: one string, dict or token-id list becomes a list of one."""
-    if isinstance(prompts, (str, Mapping)):
-        return [prompts]
-    if isinstance(prompts, np.ndarray):
-        prompts = prompts.tolist()
-    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
-        raise ValueError(
-            "prompts: expected a string, a list of token ids, a dict with 'prompt' or "
-            f"'prompt_token_ids', or a list of these, got {type(prompts).__name__}"
-        )
-    if not prompts:
-        raise ValueError("prompts: expected at least one prompt, got an empty list")
-    if isinstance(prompts[0], Real):  # one prompt of token ids (floats are refused there)
-        return [prompts]
-    return list(prompts)
-
-
-def _token_ids(value: Any, where: str) -> list[int]:
-    """A prompt's token ids as Python ints; floats, bools and anything else are refused
-    (never truncated)."""
-    if isinstance(value, (str, bytes, Mapping)) or value is None:
-        raise ValueError(f"{where}: expected a list of integer token ids, got {value!r}")
-    try:
-        array = np.asarray(value)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ValueError(f"{where}: expected a list of integer token ids ({exc})") from exc
-    if array.ndim != 1:
-        raise ValueError(
-            f"{where}: expected a flat list of integer token ids, got {array.ndim} dimensions"
-        )
-    if array.size == 0:
-        raise ValueError(f"{where}: the prompt is empty (no token ids)")
-    if array.dtype.kind not in "iu":
-        found = next(
-            (
-                (i, t)
-                for i, t in enumerate(value.tolist() if hasattr(value, "tolist") else value)
-                if isinstance(t, bool) or not isinstance(t, Integral)
-            ),
-            None,
-        )
-        if found is None:  # integers too large for int64
-            raise ValueError(f"{where}: token id {max(array.tolist())} is out of range")
-        raise ValueError(
-            f"{where}: token ids must be integers, got {found[1]!r} "
-            f"({type(found[1]).__name__}) at position {found[0]}"
-        )
-    return array.tolist()
-
-
-def _priorities(priority: Any, num_prompts: int) -> list[int]:
-    """One integer per prompt (all 0 when None)."""
-    if priority is None:
-        return [0] * num_prompts
-    if isinstance(priority, (str, bytes, Mapping)) or not isinstance(priority, Sequence):
-        raise ValueError(f"priority: expected a list of integers, one per prompt, got {priority!r}")
-    if len(priority) != num_prompts:
-        raise ValueError(
-            f"priority: got {len(priority)} values for {num_prompts} prompts; give one per prompt"
-        )
-    for i, p in enumerate(priority):
-        if isinstance(p, bool) or not isinstance(p, Integral):
-            raise ValueError(f"priority[{i}]: expected an integer, got {p!r}")
-    return [int(p) for p in priority]
-
-
-def _as_sampling_params(value: Any, where: str) -> SamplingParams:
-    """A `SamplingParams` as given, or a dict of its fields validated into one."""
-    if isinstance(value, SamplingParams):
-        return value
-    if isinstance(value, Mapping):
-        try:
-            return SamplingParams(**{str(k): v for k, v in value.items()})
-        except ValueError as exc:  # SamplingParamsError: one line per bad field
-            message = str(exc).replace("SamplingParams:", f"{where}:")
-            raise SamplingParamsError(message) from None
-    raise ValueError(
-        f"{where}: expected SamplingParams or a dict of its fields, got {type(value).__name__}"
-    )
-
-
-def _chat_template(chat_template: str | None) -> str | None:
-    """A template string as given, or the contents of the file it names."""
-    if chat_template is None or "{" in chat_template:
-        return chat_template
-    path = Path(chat_template).expanduser()
-    if path.is_file():
-        return path.read_text()
-    raise ValueError(
-        f"chat_template: expected a Jinja template string or an existing file, got {chat_template!r}"
-    )

@@ -28,7 +28,6 @@ from tandem.testing import (
     make_request,
     make_scripted_engine,
 )
-from tandem.testing.conformance import registered_plugins
 
 MODES = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 VOCAB, EOS, MAX_MODEL_LEN = 128, 1, 128
@@ -158,25 +157,17 @@ class StepRecorder:
         return output
 
 
-SEAMS = {
-    "test-shortest-prompt-first": ShortestPromptFirst,
-    "test-largest-holder-victim": LargestHolderVictim,
-    "test-pauser": Pauser,
-}
+SEAMS = (ShortestPromptFirst, LargestHolderVictim, Pauser)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def seam_plugins() -> Iterator[None]:
-    with registered_plugins(SEAMS):
-        yield
+def seams_stack(*plugins: type) -> list[Any]:
+    """The seams registered by class (no packaging), stacked with the reference scheduler."""
+    return ["reference-scheduler", *(plugins or SEAMS), "default-sampler"]
 
 
-def seams_stack(*names: str) -> list[str]:
-    return ["reference-scheduler", *(names or SEAMS), "default-sampler"]
-
-
-def plugin(engine: EngineCore, name: str) -> Any:
-    return engine.plugin_manager.get_plugin(name)
+def plugin(engine: EngineCore, cls: type) -> Any:
+    (instance,) = [p for _, p in engine.plugin_manager.stack if isinstance(p, cls)]
+    return instance
 
 
 def prompt(request_id: str, length: int) -> list[int]:
@@ -233,16 +224,16 @@ def test_order_victim_and_readiness_plugins_in_one_stack(async_scheduling: bool)
         assert outputs == plain_outputs
         assert all(outputs[r.request_id] == expected(r) for r in workload())
         # Order: the plugin's queue is the scheduler's, and it reorders admission.
-        order = plugin(engine, "test-shortest-prompt-first")
+        order = plugin(engine, ShortestPromptFirst)
         assert engine.plugin_manager.plugins_with_role("scheduler")[0].waiting is order.queue
         assert order.queue.num_steps == len(seams.scheduled)  # `advance` once per schedule
         assert seams.admitted[0] == "r7" and reference.admitted[0] == "r0"
         # Victims: chosen by the plugin, at least once not the one FCFS would take.
-        victim = plugin(engine, "test-largest-holder-victim")
+        victim = plugin(engine, LargestHolderVictim)
         assert seams.preempted and sorted(v for v, _ in victim.choices) == sorted(seams.preempted)
         assert any(v != fcfs for v, fcfs in victim.choices)
         # Readiness: paused requests were never scheduled in the steps that paused them.
-        pauser = plugin(engine, "test-pauser")
+        pauser = plugin(engine, Pauser)
         assert pauser.paused_running and pauser.paused_waiting
         for call, scheduled in enumerate(seams.scheduled, 1):
             paused = {rid for rid in pauser.known if (_phase(rid) + call) % 5 == 0}
@@ -256,11 +247,9 @@ def test_running_request_not_ready_with_placeholders_in_flight_keeps_its_kv() ->
     """Async: R is held while the step it was just scheduled in is still in flight (its
     placeholders unresolved). It is skipped, stays RUNNING with the same blocks, the step in
     flight resolves its placeholders, and once released it resumes exactly."""
-    engine = make_scripted_engine(
-        plugins=seams_stack("test-pauser"), async_scheduling=True, **LIMITS
-    )
+    engine = make_scripted_engine(plugins=seams_stack(Pauser), async_scheduling=True, **LIMITS)
     try:
-        pauser = plugin(engine, "test-pauser")
+        pauser = plugin(engine, Pauser)
         pauser.periodic = False
         recorder = StepRecorder()
         engine.plugin_manager.register(recorder)
@@ -308,10 +297,10 @@ def test_idle_engine_asks_plugins_to_wait_instead_of_spinning(async_scheduling: 
     """Every request left is not ready: each step schedules nothing and the kernel calls
     `wait_for_work` (never while a step with tokens is in flight)."""
     engine = make_scripted_engine(
-        plugins=seams_stack("test-pauser"), async_scheduling=async_scheduling, **LIMITS
+        plugins=seams_stack(Pauser), async_scheduling=async_scheduling, **LIMITS
     )
     try:
-        pauser = plugin(engine, "test-pauser")
+        pauser = plugin(engine, Pauser)
         pauser.periodic = False
         recorder = StepRecorder()
         engine.plugin_manager.register(recorder)
@@ -345,22 +334,18 @@ class VictimOutsideRunning(TandemPlugin):
 
 
 def test_a_queue_that_breaks_the_protocol_is_an_error_naming_the_plugin() -> None:
-    with (
-        registered_plugins({"test-not-a-queue": NotAQueue}),
-        pytest.raises(PluginConfigError, match=r"make_waiting_queue: plugin 'test-not-a-queue'"),
-    ):
-        make_scripted_engine(plugins=seams_stack("test-not-a-queue"))
+    with pytest.raises(PluginConfigError, match=r"make_waiting_queue: plugin '\S+:NotAQueue'"):
+        make_scripted_engine(plugins=seams_stack(NotAQueue))
 
 
 def test_a_victim_outside_running_is_an_error_naming_the_plugin() -> None:
-    with registered_plugins({"test-victim-outside-running": VictimOutsideRunning}):
-        engine = make_scripted_engine(plugins=seams_stack("test-victim-outside-running"), **LIMITS)
+    engine = make_scripted_engine(plugins=seams_stack(VictimOutsideRunning), **LIMITS)
     try:
         for request in workload():
             engine.add_request(request)
         with pytest.raises(
             RuntimeError,
-            match=r"select_preemption_victim: plugin 'test-victim-outside-running' returned "
+            match=r"select_preemption_victim: plugin '\S+:VictimOutsideRunning' returned "
             r".*stranger.*not one of the RUNNING requests",
         ):
             collect_outputs(engine)

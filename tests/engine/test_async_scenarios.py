@@ -44,11 +44,11 @@ import torch
 from tandem.core import hookimpl
 from tandem.core.config import EngineConfig
 from tandem.core.engine_core import EngineCore
-from tandem.core.worker.executors import InProcessExecutor
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.worker.executors import InProcessExecutor
 from tandem.plugins.reference_scheduler import ReferenceScheduler
 from tandem.testing.engine import expected_scripted_output, make_request, scripted_config
 from tandem.testing.scripted_drafter import ScriptedDrafter

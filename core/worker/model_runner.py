@@ -85,13 +85,14 @@ class ModelRunner:
         num_spec_tokens: int,
         async_scheduling: bool = False,
         keep_hidden_states: bool = False,
+        max_num_reqs: int = 64,
     ) -> None:
         self.model = model
         self.hooks = hooks
         self.block_size = block_size
         self.num_spec_tokens = num_spec_tokens
         self.async_scheduling = async_scheduling
-        self.input_batch = InputBatch(max_num_reqs=64)
+        self.input_batch = InputBatch(max_num_reqs=max_num_reqs)  # grows by doubling
         self.drafts = DraftStore(num_spec_tokens)
         self.prompt_logprobs = PromptLogprobs()
         #: Sampled ids stay on the device between steps (no drafter: drafters read them).

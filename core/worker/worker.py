@@ -30,6 +30,7 @@ class Worker:
             num_spec_tokens=config.num_spec_tokens,
             async_scheduling=bool(config.scheduler.async_scheduling),
             keep_hidden_states=self.plugin_manager.resolved.needs_hidden_states,
+            max_num_reqs=config.scheduler.max_num_seqs,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:

@@ -11,7 +11,6 @@ Also a pytest plugin (registered under `pytest11`) providing fixtures; see
 `tandem.testing.pytest_plugin`.
 """
 
-from tandem.core.worker.scripted_model import ScriptedModel, scripted_next_token
 from tandem.plugins.invariant_checker import InvariantViolation, check_invariants
 from tandem.testing.conformance import (
     CHECKS,
@@ -36,6 +35,7 @@ from tandem.testing.grammar_conformance import (
     GrammarConformanceReport,
     run_grammar_conformance,
 )
+from tandem.testing.scripted_model import ScriptedModel, scripted_next_token
 
 register_test_plugins()
 

@@ -10,9 +10,9 @@ from tandem.core.executor import Executor
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.request import Request
 from tandem.core.resolve import resolve_config
-from tandem.core.worker.scripted_model import scripted_next_token
 from tandem.sampling_params import SamplingParams
 from tandem.stack_file import load_config
+from tandem.testing.scripted_model import scripted_next_token
 
 if TYPE_CHECKING:
     from tandem.llm import LLM

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from tandem.core import hookimpl
 from tandem.core.config import ConfigError, EngineConfig
 from tandem.core.worker.draft_context import DraftContext
-from tandem.core.worker.scripted_model import scripted_next_token
+from tandem.testing.scripted_model import scripted_next_token
 
 
 class ScriptedDrafterOptions(BaseModel):

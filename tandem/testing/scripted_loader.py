@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from tandem.core.config import EngineConfig
-from tandem.core.worker.scripted_model import ScriptedModel
+from tandem.testing.scripted_model import ScriptedModel
 
 SCRIPTED_DEFAULT_VOCAB = 128
 SCRIPTED_DEFAULT_EOS = 1

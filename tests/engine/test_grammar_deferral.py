@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.core.worker.scripted_model import scripted_logits, scripted_next_token
 from tandem.testing import collect_outputs, make_request, make_scripted_engine
 from tandem.testing.fake_grammar import fake_grammar_allows
+from tandem.testing.scripted_model import scripted_logits, scripted_next_token
 
 VOCAB = 128
 EOS = 1

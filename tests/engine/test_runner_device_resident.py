@@ -22,10 +22,10 @@ import torch
 from tandem.core.model_runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 from tandem.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tandem.core.worker.model_runner import ModelRunner
-from tandem.core.worker.scripted_model import ScriptedModel, scripted_next_token
 from tandem.core.worker.worker import Worker
 from tandem.sampling_params import SamplingParams
 from tandem.testing import scripted_config
+from tandem.testing.scripted_model import ScriptedModel, scripted_next_token
 
 VOCAB = 128
 BLOCK = 4

@@ -24,10 +24,10 @@ from tandem.core.worker.draft_context import DraftContext
 from tandem.core.worker.flat_batch import prepare_flat_batch
 from tandem.core.worker.input_batch import InputBatch
 from tandem.core.worker.model_runner import ModelRunner
-from tandem.core.worker.scripted_model import ScriptedModel, scripted_next_token
 from tandem.plugins.default_sampler import DefaultSampler
 from tandem.sampling_params import SamplingParams
 from tandem.testing import scripted_config
+from tandem.testing.scripted_model import ScriptedModel, scripted_next_token
 
 VOCAB = 128
 BLOCK = 4

@@ -26,8 +26,8 @@ from typing import Any
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tandem.core.worker.scripted_model import scripted_next_token
 from tandem.testing.engine import expected_scripted_output, make_request, make_scripted_engine
+from tandem.testing.scripted_model import scripted_next_token
 
 VOCAB = 128
 EOS = 1

@@ -38,8 +38,8 @@ from typing import Any
 from tandem.core import hookimpl
 from tandem.core.engine_core import EngineCore
 from tandem.core.scheduler_output import SchedulerOutput
-from tandem.core.worker.scripted_model import scripted_next_token
 from tandem.testing.engine import make_request, make_scripted_engine
+from tandem.testing.scripted_model import scripted_next_token
 
 #: Engine modes: (executor, async_scheduling).
 MODES: dict[str, tuple[str, bool]] = {

@@ -18,7 +18,7 @@ from tandem.core import hookimpl
 from tandem.core.plugin_manager import TandemPlugin
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.draft_context import DraftContext
-from tandem.core.worker.scripted_model import scripted_next_token
+from tandem.testing.scripted_model import scripted_next_token
 
 
 class EchoDrafter(TandemPlugin):

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.core.worker.scripted_model import scripted_logits, scripted_next_token
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.llm import LLM
 from tandem.outputs import Logprob, RequestOutput
 from tandem.sampling_params import RequestOutputKind, SamplingParams
 from tandem.testing.engine import make_scripted_llm
+from tandem.testing.scripted_model import scripted_logits, scripted_next_token
 
 VOCAB = 64
 EOS = 1

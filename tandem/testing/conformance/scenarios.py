@@ -7,13 +7,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tandem.core.worker.scripted_model import scripted_next_token
 from tandem.testing.conformance.workloads import (
     SEEDED_TEMPERATURE,
     VOCAB,
     RequestSpec,
     Workload,
 )
+from tandem.testing.scripted_model import scripted_next_token
 
 
 def _greedy_tokens(prompt: Sequence[int], n: int) -> list[int]:

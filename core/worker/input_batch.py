@@ -270,6 +270,13 @@ class InputBatch:
         """Append each sampling row's accepted tokens (`sampled[i]`, `-1`-padded, on the
         host) after its history, and roll `num_computed_tokens` back by the drafts it
         rejected (row i verified `num_drafts[i]` and keeps `accepted + 1` tokens)."""
+        if sampled.shape[1] == 1 and bool((sampled >= 0).all()):  # no drafts: one token each
+            start = self.num_tokens[rows]
+            self.ensure_width(int(start.max()) + 1 if rows.numel() else 0)
+            self.token_ids[rows, start] = sampled[:, 0]
+            self.num_tokens[rows] = start + 1
+            self.num_rejected[rows] = 0
+            return
         accepted = sampled >= 0
         lengths = accepted.sum(dim=1)
         start = self.num_tokens[rows]

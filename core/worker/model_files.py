@@ -1,8 +1,8 @@
 """Finding model files: the embedded default, GGUF files, HF directories; the disk cache.
 
 A GGUF file is converted once (dequantised weights saved as safetensors, tokenizer files
-beside them) into `$TANDEM_CACHE` (default `~/.cache/tandem`), keyed by the file's path,
-size and modification time; later starts load the converted copy in well under a second.
+beside them) into `$TANDEM_CACHE` (default `~/.cache/tandem`), keyed by the file's content
+(its size and first and last MiB); later starts load the converted copy in well under a second.
 A Hugging Face hub id (`org/name`) is read from the local hub cache; nothing here touches
 the network unless the user opts in (`allow_download`).
 """

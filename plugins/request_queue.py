@@ -43,30 +43,31 @@ class FCFSQueue:
         return iter(self._queue)
 
 
-class PriorityQueue:
-    """Ordered by (priority, arrival_time); a request put back keeps its key, so a
-    preempted request comes back ahead of every later arrival of the same priority."""
+class KeyedQueue:
+    """Ordered by `key(request)` (computed once, at `add`), ties by insertion; a request
+    put back keeps its key. Subclass it and override `key` for another fixed order."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
+        self._heap: list[tuple[tuple, int, Request]] = []
         self._tiebreak = itertools.count()
 
+    def key(self, request: Request) -> tuple:
+        return (request.arrival_time,)
+
     def add(self, request: Request) -> None:
-        heapq.heappush(
-            self._heap, (request.priority, request.arrival_time, next(self._tiebreak), request)
-        )
+        heapq.heappush(self._heap, (self.key(request), next(self._tiebreak), request))
 
     prepend = add
 
     def peek(self) -> Request:
-        return self._heap[0][3]
+        return self._heap[0][2]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
+        return heapq.heappop(self._heap)[2]
 
     def discard(self, requests: Iterable[Request]) -> None:
         drop = {id(r) for r in requests}
-        self._heap = [entry for entry in self._heap if id(entry[3]) not in drop]
+        self._heap = [entry for entry in self._heap if id(entry[2]) not in drop]
         heapq.heapify(self._heap)
 
     def advance(self, now: float) -> None:
@@ -76,7 +77,15 @@ class PriorityQueue:
         return len(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
-        return (entry[3] for entry in sorted(self._heap))
+        return (entry[2] for entry in sorted(self._heap, key=lambda e: e[:2]))
+
+
+class PriorityQueue(KeyedQueue):
+    """Ordered by (priority, arrival_time); a request put back keeps its key, so a
+    preempted request comes back ahead of every later arrival of the same priority."""
+
+    def key(self, request: Request) -> tuple:
+        return (request.priority, request.arrival_time)
 
 
 def make_queue(policy: str) -> FCFSQueue | PriorityQueue:

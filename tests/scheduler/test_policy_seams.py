@@ -7,10 +7,8 @@ resumes exactly."""
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import zlib
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import pytest
@@ -22,6 +20,7 @@ from tandem.core.plugin_manager import PluginConfigError, TandemPlugin
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.waiting_queue import WaitingQueue
+from tandem.plugins.request_queue import KeyedQueue
 from tandem.testing import (
     collect_outputs,
     expected_scripted_output,
@@ -34,39 +33,18 @@ VOCAB, EOS, MAX_MODEL_LEN = 128, 1, 128
 
 
 # The policy plugins ----------------------------------------------------------------------
-class ShortestPromptQueue:
+class ShortestPromptQueue(KeyedQueue):
     """WAITING by prompt length, then arrival (a `WaitingQueue`; put-back keeps the key)."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._seq = itertools.count()
+        super().__init__()
         self.num_steps = 0
 
-    def add(self, request: Request) -> None:
-        key = (request.num_prompt_tokens, request.arrival_time, next(self._seq), request)
-        heapq.heappush(self._heap, key)
-
-    prepend = add
-
-    def peek(self) -> Request:
-        return self._heap[0][3]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
-
-    def discard(self, requests: Iterable[Request]) -> None:
-        drop = {id(r) for r in requests}
-        self._heap = [entry for entry in self._heap if id(entry[3]) not in drop]
-        heapq.heapify(self._heap)
+    def key(self, request: Request) -> tuple:
+        return (request.num_prompt_tokens, request.arrival_time)
 
     def advance(self, now: float) -> None:
         self.num_steps += 1
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (entry[3] for entry in sorted(self._heap, key=lambda e: e[:3]))
 
 
 class ShortestPromptFirst(TandemPlugin):

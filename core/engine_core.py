@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 from tandem.core.config import EngineConfig
 from tandem.core.executor import Executor, make_executor
@@ -114,6 +115,15 @@ class EngineCore:
     @property
     def scheduler_state(self) -> SchedulerState:
         return self.hook.scheduler_state()
+
+    def stats(self) -> dict[str, Any]:
+        """Every plugin's `engine_stats` merged, with `batch_queue_depth` (steps in flight)."""
+        merged: dict[str, Any] = {}
+        for part in self.hook.engine_stats():
+            if part:
+                merged.update(part)
+        merged["batch_queue_depth"] = len(self.batch_queue)
+        return merged
 
     # The loop: step() and step_with_batch_queue() are twins ----------------------------
     def step(self) -> tuple[list[EngineCoreOutput], bool]:

@@ -248,6 +248,21 @@ class EngineHookSpecs:
         mutate what they get.
         """
 
+    @hookspec
+    def engine_stats(self) -> dict[str, Any] | None:
+        """This plugin's numbers for the serving metrics (vLLM's `SchedulerStats`).
+
+        Caller: the engine-core process, after each step it reports and once when the
+        engine goes idle. Broadcast; the kernel merges the dicts (a key belongs to one
+        plugin) and adds `batch_queue_depth`. Values are gauges (`num_running_reqs`,
+        `num_waiting_reqs`, `kv_cache_usage` in [0, 1], `num_output_placeholders`),
+        cumulative counters since start (`prefix_cache_queries`/`_hits` in tokens,
+        `num_preemptions`, `spec_decode_num_drafts`/`_num_draft_tokens`/
+        `_num_accepted_tokens`, `spec_decode_num_accepted_tokens_per_pos` a list), or lists
+        of observations made since the previous call (`request_queue_time_s`,
+        `grammar_compile_time_s`), each returned once. Must be cheap: no device sync.
+        """
+
 
 class WorkerHookSpecs:
     """Hooks the model runner calls in the worker."""

@@ -313,8 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks against peers (same weights, same token ids)")
     bench.add_argument(
         "kind",
-        choices=["throughput", "latency"],
-        help="default workload or 1-request latency workload",
+        choices=["throughput", "latency", "serve"],
+        help="default workload, 1-request latency workload, or `serve`: request rates "
+        "against a running OpenAI-compatible server (tandem.bench_serve)",
     )
     bench.add_argument(
         "rest", nargs=argparse.REMAINDER, help="options of tandem.bench (--peers, --threads, ...)"
@@ -327,6 +328,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from tandem.bench import main as bench_main
 
     rest = list(args.rest)
+    if args.kind == "serve":
+        from tandem.bench_serve import main as bench_serve_main
+
+        return bench_serve_main(rest)
     if not any(a.startswith("--workload") for a in rest):
         rest = ["--workload", "default" if args.kind == "throughput" else "latency", *rest]
     return bench_main(rest)

@@ -2,8 +2,8 @@
 
 Engine -> worker: `ExecuteModel`, `SampleTokens`, `Shutdown`; worker -> engine: `WorkerReply`
 (also the "started" reply, empty) or `WorkerError`. Front end <-> engine core, in the same
-style, ready for the channel of the serving stack (nothing sends them yet): `AddRequest`,
-`AbortRequests` in, `EngineCoreOutputs` out.
+style, the channel of the serving stack (`tandem.engine`): `AddRequest`, `AbortRequests`,
+`Shutdown` in; `EngineCoreReady`, `EngineCoreOutputs`, `EngineCoreDead` out.
 
 Inside a message, dataclasses (`SchedulerOutput`, `ModelRunnerOutput`, `EngineCoreOutput`)
 travel field by field and are rebuilt by their type hints; `SamplingParams` (pydantic)
@@ -95,15 +95,32 @@ class AbortRequests(_Message):
 
 
 class EngineCoreOutputs(_Message):
-    """One step's outputs, for every request that has news."""
+    """One step's outputs, for every request that has news, from engine `engine_index`;
+    `stats` is `EngineCore.stats()` after that step (None when not asked for)."""
 
     outputs: list[EngineCoreOutput]
+    engine_index: int = 0
+    stats: dict[str, Any] | None = None
+
+
+class EngineCoreReady(_Message):
+    """The engine core process built its engine and reads its input socket."""
+
+    engine_index: int
+    num_kv_blocks: int
+
+
+class EngineCoreDead(_Message):
+    """The engine stopped (a failed step, its worker died); the process exits after it."""
+
+    engine_index: int
+    error: str
 
 
 ToWorker = ExecuteModel | SampleTokens | Shutdown
 FromWorker = WorkerReply | WorkerError
-ToEngineCore = AddRequest | AbortRequests
-FromEngineCore = EngineCoreOutputs
+ToEngineCore = AddRequest | AbortRequests | Shutdown
+FromEngineCore = EngineCoreOutputs | EngineCoreReady | EngineCoreDead
 
 
 def _enc_hook(obj: Any) -> Any:

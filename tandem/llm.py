@@ -9,7 +9,6 @@ The class is the front door's flow (load, add, step, collect); its helpers live 
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from tandem.chat_prompts import chat_prompts
 from tandem.core.config import EngineConfig
 from tandem.core.engine_core import EngineCore
 from tandem.core.executor import executor_class
-from tandem.core.request import Request, RequestRejectedError
+from tandem.core.request import RequestRejectedError
 from tandem.core.resolve import resolve_config
 from tandem.core.worker.model_loader import model_loader_for
 from tandem.generation_defaults import load_generation_defaults
@@ -27,11 +26,11 @@ from tandem.llm_inputs import (
     _as_sampling_params,
     _priorities,
     _prompt_list,
-    _token_ids,
 )
 from tandem.llm_progress import ProgressOption, _Progress
 from tandem.output_processor import OutputProcessor
 from tandem.outputs import CompletionOutput, RequestOutput
+from tandem.request_builder import RequestBuilder
 from tandem.sampling_params import SamplingParams
 from tandem.stack_file import load_config
 
@@ -83,6 +82,7 @@ class LLM:
 
             self.tokenizer = load_tokenizer(Path(self.config.model.model))
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._builder = RequestBuilder(self.config, self.tokenizer)
         self._counter = itertools.count()
 
     # vLLM's accessors -------------------------------------------------------------------
@@ -100,41 +100,6 @@ class LLM:
         return SamplingParams(**self._generation_defaults)
 
     # Prompts and parameters -------------------------------------------------------------
-    def _prompt_token_ids(self, prompt: PromptType, where: str) -> tuple[str | None, list[int]]:
-        """(text, token ids) of one prompt; `where` names it in errors (`prompts[3]`)."""
-        if isinstance(prompt, Mapping):
-            if "prompt_token_ids" in prompt:
-                ids = _token_ids(prompt["prompt_token_ids"], f"{where}['prompt_token_ids']")
-                return prompt.get("prompt"), ids
-            if "prompt" not in prompt:
-                raise ValueError(
-                    f"{where}: expected a dict with 'prompt' or 'prompt_token_ids', got "
-                    f"keys {sorted(map(str, prompt))}"
-                )
-            prompt, where = prompt["prompt"], f"{where}['prompt']"
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"{where}: text prompts need a tokenizer; this model has none, pass token ids"
-                )
-            ids = list(self.tokenizer.encode(prompt))
-            if not ids:
-                raise ValueError(f"{where}: the prompt is empty (no tokens)")
-            return prompt, ids
-        return None, _token_ids(prompt, where)
-
-    def _bad_words_token_ids(self, params: SamplingParams) -> SamplingParams:
-        """Tokenise `bad_words` (each word as written and with a leading space)."""
-        if not params.bad_words or self.tokenizer is None:
-            return params
-        sequences: list[list[int]] = list(params.bad_words_token_ids)
-        for word in params.bad_words:
-            for variant in (word, " " + word.lstrip()):
-                ids = self.tokenizer(variant, add_special_tokens=False)["input_ids"]
-                if ids and ids not in sequences:
-                    sequences.append(ids)
-        return params.model_copy(update={"bad_words_token_ids": sequences})
-
     def _add(
         self,
         rid: str,
@@ -143,21 +108,9 @@ class LLM:
         params: SamplingParams,
         priority: int,
     ) -> None:
-        """Add one sequence. Its prompt is cut to the last `truncate_prompt_tokens` tokens
-        (-1: `max_model_len - 1`, leaving one position for output)."""
-        params = self._bad_words_token_ids(params)
-        keep = params.truncate_prompt_tokens
-        if keep is not None:
-            keep = self.config.max_model_len - 1 if keep == -1 else keep
-            token_ids = token_ids[-keep:]
-        request = Request(
-            request_id=rid,
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            eos_token_id=self.config.model.eos_token_id,
-            arrival_time=time.monotonic(),
-            priority=priority,
-        )
+        """Add one sequence (`RequestBuilder.build`: bad words, prompt truncation)."""
+        request = self._builder.build(rid, token_ids, params, priority)
+        token_ids, params = request.prompt_token_ids, request.sampling_params
         try:
             self.engine.add_request(request)
         except RequestRejectedError as exc:  # this request's own problem: report, go on
@@ -203,7 +156,8 @@ class LLM:
                 f"{type(use_tqdm).__name__}"
             )
         prepared = [
-            self._prompt_token_ids(prompt, f"prompts[{i}]") for i, prompt in enumerate(prompt_list)
+            self._builder.prompt_token_ids(prompt, f"prompts[{i}]")
+            for i, prompt in enumerate(prompt_list)
         ]
         groups: list[tuple[str, list[str]]] = []
         try:

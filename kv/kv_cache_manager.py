@@ -77,6 +77,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.req_to_block_hashes: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        #: vLLM's prefix-cache stats, in tokens: looked up (prompt tokens of each
+        #: `get_computed_blocks` call) and found cached. Stay 0 with prefix caching off.
         self.prefix_cache_queries: int = 0
         self.prefix_cache_hits: int = 0
         self._fence: DeferredFree = DeferredFree(self.block_pool, defer_frees)
@@ -240,6 +242,16 @@ class KVCacheManager:
             num_full = min(num_tokens_after, request.num_tokens) // bs
             self._cache_full_blocks(request, req_blocks, num_full)
         return new_blocks
+
+    def fits_after_fences(self, request: KVRequest, num_new_tokens: int) -> bool:
+        """Whether growing the request by ``num_new_tokens`` would fit once every pending
+        fence is passed (async scheduling: blocks freed while a step is in flight return
+        only at its fence). Always False when nothing is fenced."""
+        if self.num_fenced_blocks == 0:
+            return False
+        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        needed -= len(self.req_to_blocks.get(request.request_id, ()))
+        return needed <= self.num_free_blocks + self.num_fenced_blocks
 
     def _validate_hits(
         self,

@@ -30,6 +30,7 @@ from tandem.core.waiting_queue import WaitingQueue
 from tandem.kv import KVBlock, KVCacheManager
 from tandem.plugins.policy_hooks import PolicyHooks
 from tandem.plugins.request_queue import make_queue
+from tandem.plugins.scheduler_stats import SchedulerStats
 from tandem.plugins.spec_metrics import SpecDecodeMetrics
 from tandem.plugins.step_plan import StepPlan
 from tandem.plugins.stop_check import check_stop
@@ -69,6 +70,7 @@ class ReferenceScheduler(TandemPlugin):
         self.num_steps_in_flight = 0
         self.num_preemptions = 0
         self.spec_metrics = SpecDecodeMetrics(config.num_spec_tokens)
+        self.stats = SchedulerStats()  # the `engine_stats` numbers
         spec = config.speculative
         self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec else None
         #: The policy seams; without a plugin manager (unit tests): the defaults.
@@ -127,6 +129,10 @@ class ReferenceScheduler(TandemPlugin):
             num_steps_in_flight=self.num_steps_in_flight,
         )
 
+    @hookimpl
+    def engine_stats(self) -> dict[str, object]:
+        return self.stats.render(self)
+
     # Scheduling -----------------------------------------------------------------------
     def _num_new_tokens(self, request: Request, token_budget: int, num_computed: int) -> int:
         """The request's outstanding work, clamped by threshold, budget and max_model_len."""
@@ -158,16 +164,6 @@ class ReferenceScheduler(TandemPlugin):
         if request.num_output_placeholders > 0:
             min_num_output_tokens += 1
         return min_num_output_tokens >= request.max_tokens
-
-    def _fits_after_fences(self, request: Request, num_new_tokens: int) -> bool:
-        """Under async scheduling: would the allocation succeed once every pending fence
-        is passed? (Always False when no step is in flight: then nothing is fenced.)"""
-        kv = self.kv_cache_manager
-        if kv.num_fenced_blocks == 0:
-            return False
-        needed = -(-(request.num_computed_tokens + num_new_tokens) // kv.block_size)
-        needed -= len(kv.get_block_ids(request.request_id))
-        return needed <= kv.num_free_blocks + kv.num_fenced_blocks
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: free blocks (fenced), reset the ledger, requeue. Results
@@ -235,7 +231,7 @@ class ReferenceScheduler(TandemPlugin):
         not this step) and `req_index` corrected for victims removed before it."""
         blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
         while blocks is None:
-            if self._fits_after_fences(request, num_new_tokens):
+            if self.kv_cache_manager.fits_after_fences(request, num_new_tokens):
                 # Blocks freed while a step is in flight return only at its fence:
                 # preempting more cannot help this step. Wait for the fence.
                 break
@@ -281,6 +277,7 @@ class ReferenceScheduler(TandemPlugin):
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+                self.stats.observe_first_scheduled(request)
             plan.add_new(request, num_new_tokens)
         for request in reversed(skipped):
             self.waiting.prepend(request)

@@ -128,6 +128,9 @@ class StructuredOutputManager(TandemPlugin):
         self.num_preempted_mid_grammar = 0
         #: Requests per backend that `auto` chose (the others passed no check).
         self.auto_choices: dict[str, int] = {}
+        #: Seconds from submission to compiled, per request made ready since the last
+        #: `engine_stats` call (seen at a drain point; a cached grammar counts too).
+        self._compile_times: list[float] = []
 
     # Backends ----------------------------------------------------------------------------
     def backend(self, name: str) -> GrammarBackend:
@@ -249,6 +252,7 @@ class StructuredOutputManager(TandemPlugin):
                         )
                     else:
                         state.matcher = state.backend.matcher(state.future.result())
+                        self._compile_times.append(now - state.submitted)
                 elif now - state.submitted > self.compile_timeout_s:
                     self.pool.forget(state.future)
                     state.future.cancel()
@@ -261,6 +265,12 @@ class StructuredOutputManager(TandemPlugin):
             return None
         finished, self._finished = self._finished, []
         return finished
+
+    @hookimpl
+    def engine_stats(self) -> dict[str, Any]:
+        """`grammar_compile_time_s`: the compile times observed since the previous call."""
+        times, self._compile_times = self._compile_times, []
+        return {"grammar_compile_time_s": times}
 
     # The bitmask -------------------------------------------------------------------------
     @hookimpl

@@ -5,6 +5,8 @@ GQA 4 query / 2 KV heads of 16, untied embeddings, no tokenizer: prompts are tok
 with a large init scale, so the top-2 logits are far apart and greedy parity against
 `transformers` cannot flip on float noise. The seed per architecture is fixed, so the
 weights are the same on every machine. `LLM(model=str(directory))` loads it.
+`save_tiny_tokenizer(directory)` adds a word-level tokenizer over the same 384 ids with a
+chat template, for tests of text prompts, stop strings and chat (no download either).
 """
 
 from __future__ import annotations
@@ -55,4 +57,36 @@ def save_tiny_model(arch: str, directory: Path) -> Path:
     finally:
         torch.random.set_rng_state(state)
     model.save_pretrained(directory)
+    return directory
+
+
+#: A chat template for the word-level tokenizer (every token is one whitespace-split word).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+WORDS = ["hello", "world", "the", "capital", "of", "France", "is", "Paris", "a", "cat"]
+
+
+def save_tiny_tokenizer(directory: Path) -> Path:
+    """A word-level tokenizer over exactly `TINY_VOCAB` ids (`<s>` = 1, `</s>` = the tiny
+    model's EOS), built offline with `tokenizers`, with `CHAT_TEMPLATE`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+    words = specials + WORDS
+    words += [f"w{i}" for i in range(TINY_VOCAB - len(words))]
+    assert len(words) == TINY_VOCAB and words[TINY_EOS] == "</s>"
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
     return directory

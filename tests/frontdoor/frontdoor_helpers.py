@@ -6,40 +6,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tandem.testing.tiny_model import TINY_EOS, TINY_VOCAB
+from tandem.testing.tiny_model import CHAT_TEMPLATE, WORDS, save_tiny_tokenizer
+
+__all__ = ["CHAT_TEMPLATE", "HUB_ID", "WORDS", "save_tiny_tokenizer", "write_hub_snapshot"]
 
 HUB_ID = "tiny-org/tiny-llama"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-#: A chat template for the word-level tokenizer (every token is one whitespace-split word).
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
-)
-WORDS = ["hello", "world", "the", "capital", "of", "France", "is", "Paris", "a", "cat"]
-
-
-def save_tiny_tokenizer(directory: Path) -> Path:
-    """A word-level tokenizer over exactly `TINY_VOCAB` ids (`<s>` = 1, `</s>` = the tiny
-    model's EOS), built offline with `tokenizers`, with `CHAT_TEMPLATE`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
-    words = specials + WORDS
-    words += [f"w{i}" for i in range(TINY_VOCAB - len(words))]
-    assert len(words) == TINY_VOCAB and words[TINY_EOS] == "</s>"
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(directory)
-    return directory
 
 
 def write_hub_snapshot(cache: Path, repo_id: str, source: Path, commit: str = COMMIT) -> Path:

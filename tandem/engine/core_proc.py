@@ -51,16 +51,19 @@ def _input_thread(ctx: Any, address: str, inbox: queue.Queue, parent_pid: int) -
     socket = ctx.socket(zmq.PULL)
     socket.connect(address)
     messages = decoder(ToEngineCore)
-    while True:
-        if socket.poll(int(PARENT_POLL_S * 1000)):
-            message = messages.decode(socket.recv(copy=False).buffer)
-            inbox.put(message)
-            if isinstance(message, Shutdown):
+    try:
+        while True:
+            if socket.poll(int(PARENT_POLL_S * 1000)):
+                message = messages.decode(socket.recv(copy=False).buffer)
+                inbox.put(message)
+                if isinstance(message, Shutdown):
+                    break
+            elif os.getppid() != parent_pid:  # the front end is gone: stop
+                inbox.put(Shutdown())
                 break
-        elif os.getppid() != parent_pid:  # the front end is gone: stop
-            inbox.put(Shutdown())
-            break
-    socket.close(linger=0)
+        socket.close(linger=0)
+    except zmq.ZMQError:  # the process is exiting and destroyed the context
+        return
 
 
 def _output_thread(ctx: Any, address: str, outbox: queue.Queue) -> None:
@@ -123,11 +126,11 @@ class EngineCoreProc:
                 if not self._handle(self.inbox.get_nowait()):
                     return 0
             outputs, _ = self.engine.run_step()
-            if outputs:
-                self._send(outputs)
-            if self.engine.dead_error is not None:
+            if self.engine.dead_error is not None:  # every request fails with the engine
                 self.outbox.put(EngineCoreDead(self.engine_index, self.engine.dead_error))
                 return 1
+            if outputs:
+                self._send(outputs)
 
 
 def run_engine_core(

@@ -236,3 +236,38 @@ def test_engine_death_fails_streams_and_is_noticed() -> None:
         asyncio.run(main())
     finally:
         eng.shutdown()
+
+
+def child_pids(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def test_worker_process_death_kills_the_engine_cleanly() -> None:
+    eng = AsyncLLM(model="scripted", worker_num_threads=1, executor="process")
+    try:
+
+        async def main() -> None:
+            params = SamplingParams(
+                temperature=0, max_tokens=100_000, ignore_eos=True,
+                output_kind=RequestOutputKind.DELTA,
+            )  # fmt: skip
+            stream = eng.generate([1, 2, 3], params, "doomed")
+            await stream.__anext__()
+            workers = child_pids(eng.client.processes[0].pid)
+            assert workers, "the process executor's worker is a child of the engine core"
+            os.kill(workers[0], signal.SIGKILL)
+
+            async def drain() -> None:
+                async for _ in stream:
+                    pass
+
+            with pytest.raises(EngineDeadError, match="worker"):
+                await asyncio.wait_for(drain(), 10)
+            assert not eng.is_healthy()
+
+        asyncio.run(main())
+        eng.client.processes[0].join(timeout=10)
+        assert eng.client.processes[0].exitcode == 1  # the engine core exits non-zero
+    finally:
+        eng.shutdown()

@@ -5,6 +5,7 @@ tandem plugins list                 installed plugins: name, distribution, versi
 tandem plugins show NAME            one plugin's docs and option defaults
 tandem config show [STACK.yaml]     the resolved stack: order, who answers each hook, options
 tandem generate PROMPT...           generate (token ids with --token-ids on the scripted model)
+tandem serve [MODEL]                the OpenAI-compatible HTTP server (tandem.server)
 
 The parser imports nothing heavy: each command imports what it needs when it runs, so
 `tandem --help` answers at once (torch and transformers load only for a model).
@@ -303,6 +304,52 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(chat)
     chat.set_defaults(fn=cmd_chat)
 
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (tandem.server)")
+    serve.add_argument(
+        "model",
+        nargs="?",
+        help="model: 'default', 'scripted', an HF directory, a .gguf file or a hub id",
+    )
+    serve.add_argument("--config", help="YAML stack file")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument(
+        "--api-key",
+        help="require `Authorization: Bearer KEY` on /v1 routes (or env TANDEM_API_KEY)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="the model name(s) requests use (default: the model argument as given)",
+    )
+    serve.add_argument(
+        "--max-num-waiting",
+        type=int,
+        help="sequences that may wait beyond those running; more get 429 (default: no bound)",
+    )
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=1 << 20,
+        help="larger request bodies get 413 (default 1 MiB)",
+    )
+    serve.add_argument(
+        "--data-parallel-size", type=int, default=1, help="engine-core processes (default 1)"
+    )
+    serve.add_argument(
+        "--worker-threads",
+        type=int,
+        help="torch threads per worker (default: (cores - 1) // data-parallel-size)",
+    )
+    serve.add_argument(
+        "--stream-buffer-size",
+        type=int,
+        default=1024,
+        help="outputs a stream may fall behind before its request is aborted (default 1024)",
+    )
+    _engine_flags(serve)
+    serve.set_defaults(fn=cmd_serve)
+
     trace = sub.add_parser(
         "trace", help="sync and async timelines on the simulated device (JSON + PNG)"
     )
@@ -322,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(fn=cmd_bench)
     return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tandem.server.api_server import run_server
+
+    return run_server(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

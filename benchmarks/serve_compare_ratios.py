@@ -50,7 +50,11 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def compare(
     tandem: dict[str, Any], vllm: dict[str, Any], offline_ratio: float | None
 ) -> dict[str, Any]:
-    """tandem/vllm ratios and the issue's targets for one tandem variant."""
+    """tandem/vllm ratios and the issue's targets for one tandem variant: request
+    throughput at the saturated entry (`saturated`) against `offline_ratio` (offline output
+    throughput tandem/vllm); per swept rate, TTFT and TPOT p50/p99 and request throughput;
+    TTFT p50 <= vLLM's at every unsaturated rate, a finite rate at most 0.8x the smaller of
+    the two measured capacities (saturated request throughputs)."""
     sat_t, sat_v = saturated(tandem), saturated(vllm)
     capacity = min(sat_t["request_throughput"], sat_v["request_throughput"])
     per_rate, unsaturated = {}, []

@@ -13,10 +13,12 @@ At each request rate the requests of a workload file (`{"name", "requests": [{"p
 The client is `httpx.AsyncClient` reading the SSE stream line by line: each `data:` event is
 stamped with `time.perf_counter()` the moment it is read, nothing retries behind our back (the
 `openai` client retries twice by default, which would hide failures inside latencies), and no
-response objects are built per chunk. Per request: TTFT (send to the first chunk carrying
-text), ITL (gaps between chunks carrying text), TPOT ((E2E - TTFT) / (output tokens - 1)), E2E
-(send to `[DONE]`), output tokens from the usage chunk. Bounded: each request has a timeout and
-the whole run a deadline; requests cut off by either count as failed, with the reason.
+response objects are built per chunk. Per request: TTFT (send to the first chunk with a
+choice), ITL (gaps between chunks with a choice), TPOT ((E2E - TTFT) / (output tokens - 1)),
+E2E (send to `[DONE]`), output tokens from the usage chunk. A chunk counts by its choice, not its
+text, as in vLLM's `benchmark_serving`: a token-only model streams empty texts. Bounded: each request has a timeout and
+the whole run a deadline; requests cut off by either count as failed, with the reason. Exit
+status: 0 when every request completed, 1 when any failed or the server could not be used.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ async def stream_completion(client: Any, url: str, payload: dict[str, Any]) -> R
     result = RequestResult()
     start = time.perf_counter()
     last_token = None
-    text_chunks = 0
+    deltas = 0
     try:
         async with client.stream("POST", url, json=payload) as response:
             if response.status_code != 200:
@@ -142,9 +144,8 @@ async def stream_completion(client: Any, url: str, payload: dict[str, Any]) -> R
                 if "error" in chunk:
                     result.error = f"error event: {json.dumps(chunk['error'])[:300]}"
                     return result
-                choices = chunk.get("choices") or []
-                if choices and choices[0].get("text"):
-                    text_chunks += 1
+                if chunk.get("choices"):  # a delta (as vLLM's bench: text may be empty)
+                    deltas += 1
                     if last_token is None:
                         result.ttft = now - start
                     else:
@@ -163,10 +164,10 @@ async def stream_completion(client: Any, url: str, payload: dict[str, Any]) -> R
     if not result.ok:
         result.error = "stream ended without [DONE]"
     elif result.prompt_tokens is None and result.output_tokens == 0:
-        result.usage_missing = True  # a server that ignores include_usage: count text chunks
-        result.output_tokens = text_chunks
+        result.usage_missing = True  # a server that ignores include_usage: count the deltas
+        result.output_tokens = deltas
     if result.ok and result.ttft is None:
-        result.ttft = result.e2e  # no chunk carried text: the whole reply came at the end
+        result.ttft = result.e2e  # no delta at all before [DONE]
     return result
 
 

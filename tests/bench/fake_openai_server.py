@@ -4,7 +4,8 @@
 `/v1/completions`: one `data:` event per output token (text `t<i> `) a few milliseconds apart,
 a usage chunk when `stream_options.include_usage` asks, then `[DONE]`; every request body is
 appended to `seen`. Prompts steer it: `[500]` answers HTTP 500, `[666]` sends an error event
-mid-stream, `[777]` stalls 30 s after its first token, `[888]` streams without a usage chunk.
+mid-stream, `[777]` stalls 30 s after its first token, `[888]` streams without a usage chunk,
+`[999]` streams empty texts (a model without a tokenizer).
 Run as a script (`python fake_openai_server.py --port N`) it serves on 127.0.0.1:N.
 """
 
@@ -49,7 +50,8 @@ def fake_app(seen: list[dict[str, Any]]) -> FastAPI:
                     return
                 if prompt == [777] and i == 1:
                     await asyncio.sleep(30)
-                chunk = {"choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None}]}
+                text = "" if prompt == [999] else f"t{i} "
+                chunk = {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
                 yield f"data: {json.dumps(chunk)}\n\n"
             usage = (body.get("stream_options") or {}).get("include_usage")
             if usage and prompt != [888]:

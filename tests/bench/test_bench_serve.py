@@ -1,6 +1,6 @@
 """`tandem bench serve` (and benchmarks/serve_compare.py) against a fake OpenAI-compatible
 server on 127.0.0.1 (fake_openai_server.py: canned SSE streams; prompts `[500]`, `[666]`,
-`[777]`, `[888]` make it fail, break, stall or omit usage). The fake server runs under uvicorn
+`[777]`, `[888]`, `[999]` make it fail, break, stall, omit usage or stream empty texts). The fake server runs under uvicorn
 in a thread of this process, or as its own process for serve_compare. The tests check the
 metrics' internal consistency (token counts, percentile order, goodput within throughput,
 Poisson arrival counts), never wall-clock values; every wait is bounded.
@@ -110,13 +110,14 @@ def test_sweep_counts_every_token_and_orders_percentiles(fake_server, tmp_path) 
         assert rate["ttft_ms"]["p50"] <= rate["e2e_ms"]["p50"]
 
 
-def test_one_request_timings_add_up(fake_server) -> None:
+@pytest.mark.parametrize("prompt", [[1, 2, 3], [999]], ids=["text", "token-only"])
+def test_one_request_timings_add_up(fake_server, prompt) -> None:
     import httpx
 
     base_url, _ = fake_server
     payload = {
         "model": "fake-model",
-        "prompt": [1, 2, 3],
+        "prompt": prompt,
         "max_tokens": 6,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -127,8 +128,9 @@ def test_one_request_timings_add_up(fake_server) -> None:
             return await stream_completion(client, f"{base_url}/completions", payload)
 
     r = asyncio.run(go())
-    assert r.ok and r.error is None and r.output_tokens == 6 and r.prompt_tokens == 3
-    assert len(r.itl) == 5  # one gap between each pair of token chunks
+    assert r.ok and r.error is None and r.output_tokens == 6
+    assert r.prompt_tokens == len(prompt)
+    assert len(r.itl) == 5  # one gap between each pair of deltas, empty texts included
     assert 0 < r.ttft <= r.e2e
     assert r.tpot == pytest.approx((r.e2e - r.ttft) / 5)
     assert sum(r.itl) <= r.e2e - r.ttft + 1e-9

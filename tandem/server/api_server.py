@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
 import json
 import logging
 import os
@@ -209,19 +208,18 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 # Running it ---------------------------------------------------------------------------
 
 
-def _stat_loggers(model_name: str, data_parallel_size: int) -> list[Any]:
-    """The Prometheus stat logger, when `tandem.server.metrics` is installed."""
+def _add_metrics(engine: Any, model_name: str, data_parallel_size: int) -> None:
+    """Attach the Prometheus stat logger (`tandem.server.metrics`) to the engine, before
+    any request, when that module is installed."""
     try:
         from tandem.server.metrics import PrometheusStatLogger
     except ImportError:
-        return []
-    offered = {
-        "model_name": model_name,
-        "served_model_name": model_name,
-        "data_parallel_size": data_parallel_size,
-    }
-    params = inspect.signature(PrometheusStatLogger).parameters
-    return [PrometheusStatLogger(**{k: v for k, v in offered.items() if k in params})]
+        return
+    engine.stat_loggers.append(
+        PrometheusStatLogger(
+            model_name, max_model_len=engine.max_model_len, data_parallel_size=data_parallel_size
+        )
+    )
 
 
 def _exit_soon(delay_s: float) -> None:
@@ -301,11 +299,11 @@ def run_server(args: argparse.Namespace) -> int:
         data_parallel_size=args.data_parallel_size,
         max_num_waiting=args.max_num_waiting,
         stream_buffer_size=args.stream_buffer_size,
-        stat_loggers=_stat_loggers(names[0] if names else "tandem", args.data_parallel_size),
         **overrides,
     )
     try:
         root = str(engine.config.model.model)
+        _add_metrics(engine, (names or [root])[0], args.data_parallel_size)
         settings = ServerSettings(
             served_model_names=names or [root],
             model_root=root,

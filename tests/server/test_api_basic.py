@@ -41,7 +41,12 @@ class _Server:
         import uvicorn
 
         from tandem.engine import AsyncLLM
-        from tandem.server.api_server import ServerSettings, build_app, serve_until_dead
+        from tandem.server.api_server import (
+            ServerSettings,
+            _add_metrics,
+            build_app,
+            serve_until_dead,
+        )
 
         self.finished = _FinishReasons()
         self.engine = AsyncLLM(
@@ -51,6 +56,7 @@ class _Server:
             max_num_waiting=0,
             stat_loggers=[self.finished],
         )
+        _add_metrics(self.engine, "scripted", 1)
         settings = ServerSettings(
             served_model_names=["scripted"], api_key=KEY, max_request_body_bytes=64 * 1024
         )
@@ -238,7 +244,8 @@ def test_models_health_version_metrics(client: httpx.Client) -> None:
     assert models["data"][0]["max_model_len"] == 1024
     assert client.get("/health").status_code == 200
     assert client.get("/version").json()["version"]
-    assert client.get("/metrics").status_code == 200
+    metrics = client.get("/metrics")
+    assert metrics.status_code == 200 and "tandem:num_requests_running" in metrics.text
 
 
 def test_official_openai_client(server: _Server) -> None:

@@ -70,6 +70,8 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
 
 
 def _common(req: SamplingFields, defaults: SamplingParams) -> dict[str, Any]:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options: only with stream=true", param="stream_options")
     fields: dict[str, Any] = {}
     for name in _DEFAULTED:
         value = getattr(req, name)

@@ -127,6 +127,20 @@ def test_output_constraints(body: dict, kind: str) -> None:
     assert _completion(**body).structured_outputs.kind == kind
 
 
+def test_stream_options_need_stream() -> None:
+    with pytest.raises(APIError) as info:
+        _completion(stream_options={"include_usage": True})
+    assert info.value.param == "stream_options"
+
+
+def test_chunked_body_over_the_limit_is_413() -> None:
+    app = build_app(FakeEngine(), ServerSettings(["fake"], max_request_body_bytes=1000))
+    with TestClient(app) as c:
+        chunks = iter([b'{"prompt": "', b"x" * 2000, b'"}'])
+        r = c.post("/v1/completions", content=chunks)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+
 def test_text_response_format_is_unconstrained() -> None:
     assert _completion(response_format={"type": "text"}).structured_outputs is None
 

@@ -4,9 +4,9 @@
 N engine-core processes (a busy loop that sleeps when idle, and two I/O threads that wait
 on sockets) and, in each, a worker with k torch threads. The compute threads,
 `1 + N * k`, must fit the C cores this process may use (`os.sched_getaffinity`):
-by default k = max(1, (C - 1) // N); an explicit k that does not fit is an error naming
-the flags and the numbers. (Only N >= C engines with the default k = 1 overflow: the line
-then says so, since one thread per engine is the least there is.)
+by default k = max(1, (C - 1) // N); an explicit k, or N engines, that do not fit is an
+error naming the flags and the numbers. The one exception is a single engine on a single
+core (1 + 1 > 1: one thread per process is the least there is); the line then says so.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Budget:
     def line(self) -> str:
         """The one line `tandem serve` prints at start."""
         n, k = self.data_parallel_size, self.worker_threads
-        fits = "<=" if self.compute_threads <= self.cores else "> (over budget: fewer engines)"
+        fits = "<=" if self.compute_threads <= self.cores else "> (one core: the least there is)"
         return (
             f"tandem serve: processes: API server 1 (1 thread), engine core x {n} (busy loop "
             f"+ 2 I/O threads, idle), worker {k} torch threads each; compute threads "
@@ -59,6 +59,12 @@ def plan_budget(
     if n < 1:
         raise BudgetError(f"--data-parallel-size: expected >= 1, got {n}")
     if worker_threads is None:
+        if n > 1 and 1 + n > cores:
+            raise BudgetError(
+                f"--data-parallel-size {n}: 1 API thread + {n} engines x 1 torch thread = "
+                f"{1 + n} compute threads exceed the {cores} cores this process may use; "
+                f"use --data-parallel-size <= {max(1, cores - 1)}"
+            )
         return Budget(cores, n, max(1, (cores - 1) // n))
     if worker_threads < 1:
         raise BudgetError(f"--worker-threads: expected >= 1, got {worker_threads}")

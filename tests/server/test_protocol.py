@@ -177,6 +177,9 @@ def test_budget() -> None:
         plan_budget(4, 4, cores=16)
     line = plan_budget(2, None, cores=9).line()
     assert "engine core x 2" in line and "1 + 2*4 = 9 <= 9 cores" in line
+    with pytest.raises(BudgetError, match=r"--data-parallel-size 2: .* 3 compute threads exceed"):
+        plan_budget(2, None, cores=2)
+    assert plan_budget(1, None, cores=1).worker_threads == 1  # the least there is
 
 
 def test_budget_error_exits_2_before_starting_an_engine() -> None:

@@ -275,6 +275,16 @@ def _uvicorn_server(config: Any) -> Any:
     return Server(config)
 
 
+def _run_loop(config: Any, main: Any) -> int:
+    """Run `main` on uvicorn's event loop of choice (uvloop when installed, as `uvicorn.run`
+    does)."""
+    factory = getattr(config, "get_loop_factory", lambda: None)()
+    if factory is None or sys.version_info < (3, 11):
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)
+
+
 def run_server(args: argparse.Namespace) -> int:
     """`tandem serve`: print the budget, start the engine, serve until stopped or the
     engine dies. Returns the exit status (2 for a budget that does not fit)."""
@@ -319,7 +329,7 @@ def run_server(args: argparse.Namespace) -> int:
             access_log=False,
             timeout_graceful_shutdown=2,
         )
-        status = asyncio.run(serve_until_dead(_uvicorn_server(config), engine))
+        status = _run_loop(config, serve_until_dead(_uvicorn_server(config), engine))
     finally:
         engine.shutdown()
     if status != 0:  # the engine died: exit now, not after the interpreter's slow teardown

@@ -302,7 +302,7 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     print(budget.line(), flush=True)
     overrides = {**_overrides(args), "worker_num_threads": budget.worker_threads}
-    names = args.served_model_name or ([args.model] if args.model else [])
+    names = args.served_model_name or [args.model or "default"]
     engine = AsyncLLM(
         model=args.model,
         config=args.config,
@@ -313,9 +313,9 @@ def run_server(args: argparse.Namespace) -> int:
     )
     try:
         root = str(engine.config.model.model)
-        _add_metrics(engine, (names or [root])[0], args.data_parallel_size)
+        _add_metrics(engine, names[0], args.data_parallel_size)
         settings = ServerSettings(
-            served_model_names=names or [root],
+            served_model_names=names,
             model_root=root,
             api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
             max_request_body_bytes=args.max_request_body_bytes,

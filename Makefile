@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-slow demo lint line-counts clean
+.PHONY: install test test-slow demo serve lint line-counts clean
 
 EXAMPLE_PLUGIN := examples/tandem-srpt
 EXAMPLE_VICTIM_PLUGIN := examples/tandem-lrw
@@ -52,6 +52,10 @@ line-counts: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
+
+# The OpenAI-compatible server on the embedded model (127.0.0.1:8000; Ctrl-C stops it).
+serve: $(STAMP)
+	$(BIN)/tandem serve
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,186 @@
+"""Streaming under load against a live `tandem serve scripted` process: 64 concurrent
+greedy streams equal `tandem.LLM.generate` token for token; half of them disconnecting
+mid-stream leaves the others exact and the KV pool fully free (read from /metrics); a
+stalled reader beside 8 active streams leaves their inter-token latency within noise.
+
+Token ids come from the server's `token_ids` field (returned on a model without a
+tokenizer, as vLLM's `return_token_ids`). Clients are `openai.AsyncOpenAI` streams on one
+event loop; the stalled reader is a raw socket that sends its request and never reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from e2e_helpers import HOST, ServerProcess, metric_values, running_server, wait_idle
+
+from tandem import LLM
+from tandem.sampling_params import SamplingParams
+
+NUM_CLIENTS = 64
+MAX_TOKENS = 16
+#: The disconnecting clients' max_tokens: far more than they read before leaving.
+LONG = 1000
+
+
+def prompts(count: int) -> list[list[int]]:
+    return [[3 + i % 50, 7 + (i * 13) % 90, 11, 20 + i % 7, 1 + i % 5] for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with running_server("scripted", "--max-num-seqs", "64") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    """`LLM.generate` (in this process) on the same prompts, greedy, fixed lengths."""
+    llm = LLM(model="scripted", worker_num_threads=1, max_num_seqs=64)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate(prompts(NUM_CLIENTS), params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def token_ids(choice: Any) -> list[int]:
+    extra = choice.model_extra or {}
+    assert isinstance(extra.get("token_ids"), list), f"no token_ids in {choice}"
+    return extra["token_ids"]
+
+
+async def stream_tokens(
+    client: openai.AsyncOpenAI, prompt: list[int], max_tokens: int, stop_after: int | None = None
+) -> tuple[list[int], list[tuple[float, int]]]:
+    """Greedy stream of `prompt`: (token ids, (arrival time, tokens) per chunk). With
+    `stop_after`, the client closes the response after that many chunks."""
+    stream = await client.completions.create(
+        model="scripted",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    tokens: list[int] = []
+    arrivals: list[tuple[float, int]] = []
+    try:
+        async for chunk in stream:
+            new = [t for c in chunk.choices for t in token_ids(c)]
+            tokens += new
+            arrivals.append((time.perf_counter(), len(new)))
+            if stop_after is not None and len(arrivals) >= stop_after:
+                break
+    finally:
+        await stream.close()
+    return tokens, arrivals
+
+
+def run_clients(server: ServerProcess, jobs: list[tuple[list[int], int, int | None]]) -> list:
+    """Run `(prompt, max_tokens, stop_after)` streams concurrently; their results."""
+
+    async def main() -> list:
+        async with openai.AsyncOpenAI(
+            base_url=server.base_url, api_key="none", max_retries=0, timeout=120
+        ) as client:
+            runs = [stream_tokens(client, p, m, s) for p, m, s in jobs]
+            return await asyncio.wait_for(asyncio.gather(*runs), timeout=180)
+
+    return asyncio.run(main())
+
+
+def test_64_concurrent_streams_equal_llm_generate(server, reference) -> None:
+    jobs = [(p, MAX_TOKENS, None) for p in prompts(NUM_CLIENTS)]
+    results = run_clients(server, jobs)
+    assert [tokens for tokens, _ in results] == reference
+    assert all(len(arrivals) >= 2 for _, arrivals in results)  # streamed, not one chunk
+    wait_idle(server.url)
+
+
+def finished(server: ServerProcess, reason: str) -> float:
+    label = f'finished_reason="{reason}"'
+    return sum(metric_values(server.url, "tandem:request_success_total", label))
+
+
+def test_half_the_clients_disconnect_mid_stream(server, reference) -> None:
+    """Odd clients ask for 1000 tokens and leave after 3 chunks; even clients complete with
+    the exact tokens; the KV pool returns to free, and the odd requests count as aborted
+    (not run to their length)."""
+    aborted, completed = finished(server, "abort"), finished(server, "length")
+    jobs = [
+        (p, LONG, 3) if i % 2 else (p, MAX_TOKENS, None) for i, p in enumerate(prompts(NUM_CLIENTS))
+    ]
+    results = run_clients(server, jobs)
+    for i, (tokens, _) in enumerate(results):
+        if i % 2 == 0:
+            assert tokens == reference[i], i
+        else:
+            assert 0 < len(tokens) < LONG and tokens[:MAX_TOKENS] == reference[i][: len(tokens)]
+    wait_idle(server.url)
+    half = NUM_CLIENTS // 2
+    assert finished(server, "abort") - aborted == half
+    assert finished(server, "length") - completed == half
+
+
+def stalled_request(server: ServerProcess, max_tokens: int) -> socket.socket:
+    """A streaming request on a raw socket with a tiny receive buffer that is never read."""
+    body = json.dumps(
+        {
+            "model": "scripted",
+            "prompt": [1, 2, 3],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 5,
+            "stream": True,
+        }
+    ).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
+    sock.connect((HOST, server.port))
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {HOST}:{server.port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    sock.sendall(head + body)
+    return sock
+
+
+def inter_token_latencies(results: list) -> list[float]:
+    """Per-token gaps after each stream's first chunk (a chunk of k tokens: k gaps of
+    gap / k)."""
+    gaps: list[float] = []
+    for _, arrivals in results:
+        for (t0, _), (t1, k) in zip(arrivals, arrivals[1:], strict=False):
+            gaps += [(t1 - t0) / max(k, 1)] * max(k, 1)
+    return gaps
+
+
+def test_a_stalled_reader_does_not_slow_the_others(server) -> None:
+    jobs = [(p, 200, None) for p in prompts(8)]
+    baseline = run_clients(server, jobs)
+    wait_idle(server.url)
+    stalled = stalled_request(server, 1000)
+    try:
+        time.sleep(0.5)  # its request is running and its socket fills
+        assert max(metric_values(server.url, "tandem:num_requests_running")) >= 1
+        beside = run_clients(server, jobs)
+    finally:
+        stalled.close()
+    for results in (baseline, beside):
+        assert all(len(tokens) == 200 for tokens, _ in results)
+    base_itl = statistics.median(inter_token_latencies(baseline))
+    stalled_itl = statistics.median(inter_token_latencies(beside))
+    assert stalled_itl < 3 * base_itl + 0.002, (stalled_itl, base_itl)
+    wait_idle(server.url, timeout_s=30)

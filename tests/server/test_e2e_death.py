@@ -64,7 +64,10 @@ def test_killing_the_engine_core_fails_requests_and_exits() -> None:
         seen: list[Any] = []
         stop = threading.Event()
         with httpx.stream(
-            "POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}, timeout=30
+            "POST",
+            f"{server.url}/v1/completions",
+            json={**LONG, "stream": True},
+            timeout=EXIT_TIMEOUT_S,
         ) as resp:
             assert resp.status_code == 200
             stream = sse_events(resp.iter_lines())

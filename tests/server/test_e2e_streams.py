@@ -20,7 +20,14 @@ from typing import Any
 
 import openai
 import pytest
-from e2e_helpers import HOST, ServerProcess, metric_values, running_server, wait_idle
+from e2e_helpers import (
+    HOST,
+    ServerProcess,
+    metric_values,
+    running_server,
+    wait_for,
+    wait_idle,
+)
 
 from tandem import LLM
 from tandem.sampling_params import SamplingParams
@@ -132,16 +139,19 @@ def test_half_the_clients_disconnect_mid_stream(server, reference) -> None:
     assert finished(server, "length") - completed == half
 
 
-def stalled_request(server: ServerProcess, max_tokens: int) -> socket.socket:
-    """A streaming request on a raw socket with a tiny receive buffer that is never read."""
+def stalled_request(server: ServerProcess, n: int) -> socket.socket:
+    """A streaming request (n sequences x 1000 tokens, 20 logprobs each: ~1.3 kB of events
+    per token) on a raw socket with a tiny receive buffer that is never read: the server's
+    writes to it block once the socket buffers between them are full."""
     body = json.dumps(
         {
             "model": "scripted",
             "prompt": [1, 2, 3],
-            "max_tokens": max_tokens,
+            "max_tokens": 1000,
+            "n": n,
             "temperature": 0,
             "ignore_eos": True,
-            "logprobs": 5,
+            "logprobs": 20,
             "stream": True,
         }
     ).encode()
@@ -157,30 +167,59 @@ def stalled_request(server: ServerProcess, max_tokens: int) -> socket.socket:
     return sock
 
 
-def inter_token_latencies(results: list) -> list[float]:
-    """Per-token gaps after each stream's first chunk (a chunk of k tokens: k gaps of
-    gap / k)."""
-    gaps: list[float] = []
-    for _, arrivals in results:
-        for (t0, _), (t1, k) in zip(arrivals, arrivals[1:], strict=False):
-            gaps += [(t1 - t0) / max(k, 1)] * max(k, 1)
-    return gaps
+def inter_token_latency(results: list) -> float:
+    """The median over streams of each stream's mean inter-token latency (first chunk to
+    last over the tokens after the first). Means, not single gaps: a client that reads
+    bursts of buffered chunks sees near-zero gaps that say nothing about the server."""
+    per_stream = []
+    for tokens, arrivals in results:
+        first_tokens = arrivals[0][1]
+        span = arrivals[-1][0] - arrivals[0][0]
+        per_stream.append(span / max(1, len(tokens) - first_tokens))
+    return statistics.median(per_stream)
+
+
+def run_beside_stalled_reader(server: ServerProcess, jobs: list) -> list:
+    """`jobs` while a stalled reader's request (one sequence: its 1000 outputs fit the
+    server's per-stream buffer, so it stays blocked and running throughout) is open."""
+    stalled = stalled_request(server, n=1)
+    try:
+        time.sleep(0.2)
+        assert max(metric_values(server.url, "tandem:num_requests_running")) >= 1
+        results = run_clients(server, jobs)
+        assert max(metric_values(server.url, "tandem:num_requests_running")) >= 1
+        return results
+    finally:
+        stalled.close()
 
 
 def test_a_stalled_reader_does_not_slow_the_others(server) -> None:
+    """8 streams of 200 tokens, alone and beside a stalled reader, in 3 interleaved pairs:
+    all complete, and the median over runs of their inter-token latency beside the stalled
+    reader is within 3x (noise on a shared machine) of the median alone."""
     jobs = [(p, 200, None) for p in prompts(8)]
-    baseline = run_clients(server, jobs)
-    wait_idle(server.url)
-    stalled = stalled_request(server, 1000)
+    alone: list[float] = []
+    beside: list[float] = []
+    for _ in range(3):
+        for runs, stalled in ((alone, False), (beside, True)):
+            results = (
+                run_beside_stalled_reader(server, jobs) if stalled else run_clients(server, jobs)
+            )
+            assert all(len(tokens) == 200 for tokens, _ in results)
+            runs.append(inter_token_latency(results))
+            wait_idle(server.url, timeout_s=30)
+    ratio = statistics.median(beside) / statistics.median(alone)
+    assert ratio < 3, (ratio, alone, beside)
+
+
+def test_a_stalled_reader_is_aborted_when_its_buffer_fills(server) -> None:
+    """A stalled reader of 8 x 1000 tokens (~10 MB of events; the server buffers 1024
+    outputs per stream): its sequences are aborted and the KV pool frees while the client
+    still holds the connection open."""
+    aborted = finished(server, "abort")
+    stalled = stalled_request(server, n=8)
     try:
-        time.sleep(0.5)  # its request is running and its socket fills
-        assert max(metric_values(server.url, "tandem:num_requests_running")) >= 1
-        beside = run_clients(server, jobs)
+        wait_for(lambda: finished(server, "abort") - aborted >= 8, 30, "the stalled stream aborted")
+        wait_idle(server.url)
     finally:
         stalled.close()
-    for results in (baseline, beside):
-        assert all(len(tokens) == 200 for tokens, _ in results)
-    base_itl = statistics.median(inter_token_latencies(baseline))
-    stalled_itl = statistics.median(inter_token_latencies(beside))
-    assert stalled_itl < 3 * base_itl + 0.002, (stalled_itl, base_itl)
-    wait_idle(server.url, timeout_s=30)

@@ -276,3 +276,18 @@ def test_unknown_fields_are_accepted_and_logged_once(
         )
         assert ids(out.choices[0]) == scripted_greedy(PROMPT, 3)
     assert server.log().count("frobnicate_level") == 1, server.log()
+
+
+def test_top_k_top_p_min_p_reach_the_sampler(client: openai.OpenAI) -> None:
+    """At temperature 1 each of these leaves only the most likely token (the scripted
+    peak): the output is the greedy one, which plain temperature-1 sampling (seeded) is
+    not."""
+    greedy = scripted_greedy(PROMPT, 32)
+    plain = complete(client, prompt=PROMPT, max_tokens=32, temperature=1.0, seed=7)
+    assert ids(plain.choices[0]) != greedy
+    knobs: list[dict[str, Any]] = [{"top_k": 1}, {"min_p": 1.0}]
+    for extra in knobs:
+        out = complete(client, prompt=PROMPT, max_tokens=32, temperature=1.0, seed=7, extra=extra)
+        assert ids(out.choices[0]) == greedy, extra
+    out = complete(client, prompt=PROMPT, max_tokens=32, temperature=1.0, seed=7, top_p=0.01)
+    assert ids(out.choices[0]) == greedy

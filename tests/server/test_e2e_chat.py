@@ -12,6 +12,7 @@ streamed == not streamed) and stop strings against the unstopped text.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -180,3 +181,26 @@ def test_tokenize_and_detokenize_round_trip(server: ServerProcess) -> None:
         f"{server.url}/detokenize", json={"model": MODEL, "tokens": [10**9]}, timeout=10
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_structured_outputs_extra_body(client: openai.OpenAI) -> None:
+    """vLLM's `structured_outputs` body (choice, regex) maps to the grammar plugin."""
+    for _ in range(2):
+        out = chat(
+            client,
+            max_tokens=16,
+            temperature=1.0,
+            extra={
+                "structured_outputs": {"choice": ["alpha", "beta", "gamma"]},
+                "ignore_eos": False,
+            },
+        )
+        assert out.choices[0].message.content in ("alpha", "beta", "gamma")
+    out = chat(
+        client,
+        max_tokens=16,
+        temperature=0,
+        extra={"structured_outputs": {"regex": "[0-9]{3}-[a-c]{2}"}, "ignore_eos": False},
+    )
+    content = out.choices[0].message.content or ""
+    assert re.fullmatch("[0-9]{3}-[a-c]{2}", content), content

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from e2e_helpers import (
@@ -44,7 +45,7 @@ def prompts(count: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    with running_server("scripted", "--max-num-seqs", "64") as srv:
+    with running_server("scripted", "--max-num-seqs", "64", "--max-model-len", "4096") as srv:
         yield srv
 
 
@@ -212,14 +213,44 @@ def test_a_stalled_reader_does_not_slow_the_others(server) -> None:
     assert ratio < 3, (ratio, alone, beside)
 
 
+def read_all(sock: socket.socket, timeout_s: float = 20.0) -> bytes:
+    """What the server sent on `sock` until it sent `data: [DONE]` or closed (bounded)."""
+    data, deadline = b"", time.monotonic() + timeout_s
+    sock.settimeout(2)
+    while b"data: [DONE]" not in data[-64:] and time.monotonic() < deadline:
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def test_a_stalled_reader_is_aborted_when_its_buffer_fills(server) -> None:
     """A stalled reader of 8 x 1000 tokens (~10 MB of events; the server buffers 1024
     outputs per stream): its sequences are aborted and the KV pool frees while the client
-    still holds the connection open."""
+    still holds the connection open; reading it at last, the client finds an error event
+    naming the overflow, then `[DONE]`."""
     aborted = finished(server, "abort")
     stalled = stalled_request(server, n=8)
     try:
         wait_for(lambda: finished(server, "abort") - aborted >= 8, 30, "the stalled stream aborted")
         wait_idle(server.url)
+        data = read_all(stalled)
     finally:
         stalled.close()
+    assert b"data: [DONE]" in data[-64:], data[-300:]
+    events = [line for line in data.split(b"\n") if line.startswith(b"data: ")]
+    error = json.loads(events[-2][len(b"data: ") :])["error"]
+    assert error["type"] == "StreamOverflowError" and "behind" in error["message"], error
+
+
+def test_a_non_streaming_client_that_leaves_aborts_its_request(server) -> None:
+    """A non-streaming request for 4000 tokens whose client gives up after 0.3 s: the
+    request is aborted (not run to its length) and the KV pool frees."""
+    aborted, completed = finished(server, "abort"), finished(server, "length")
+    body = {"model": "scripted", "prompt": [2, 4, 6], "max_tokens": 4000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+    wait_for(lambda: finished(server, "abort") - aborted >= 1, 15, "the left request aborted")
+    wait_idle(server.url)
+    assert finished(server, "length") == completed

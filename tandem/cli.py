@@ -18,6 +18,8 @@ import json
 import sys
 from typing import Any
 
+from tandem.server.serve_flags import add_serve_flags
+
 
 def _call_rank(cls: type, hook: str) -> int:
     """Where pluggy calls a class's implementation of `hook`: 0 `tryfirst`, 1 plain,
@@ -305,48 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(fn=cmd_chat)
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (tandem.server)")
-    serve.add_argument(
-        "model",
-        nargs="?",
-        help="model: 'default', 'scripted', an HF directory, a .gguf file or a hub id",
-    )
-    serve.add_argument("--config", help="YAML stack file")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    serve.add_argument(
-        "--api-key",
-        help="require `Authorization: Bearer KEY` on /v1 routes (or env TANDEM_API_KEY)",
-    )
-    serve.add_argument(
-        "--served-model-name",
-        nargs="+",
-        help="the model name(s) requests use (default: the model argument as given)",
-    )
-    serve.add_argument(
-        "--max-num-waiting",
-        type=int,
-        help="sequences that may wait beyond those running; more get 429 (default: no bound)",
-    )
-    serve.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=1 << 20,
-        help="larger request bodies get 413 (default 1 MiB)",
-    )
-    serve.add_argument(
-        "--data-parallel-size", type=int, default=1, help="engine-core processes (default 1)"
-    )
-    serve.add_argument(
-        "--worker-threads",
-        type=int,
-        help="torch threads per worker (default: (cores - 1) // data-parallel-size)",
-    )
-    serve.add_argument(
-        "--stream-buffer-size",
-        type=int,
-        default=1024,
-        help="outputs a stream may fall behind before its request is aborted (default 1024)",
-    )
+    add_serve_flags(serve)
     _engine_flags(serve)
     serve.set_defaults(fn=cmd_serve)
 

@@ -13,6 +13,8 @@ streaming-load cases (64 clients, disconnects, a stalled reader): test_e2e_strea
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +28,7 @@ from e2e_helpers import (
     post,
     running_server,
     sse_events,
+    wait_idle,
 )
 
 from tandem.testing.scripted_model import scripted_next_token
@@ -291,3 +294,22 @@ def test_top_k_top_p_min_p_reach_the_sampler(client: openai.OpenAI) -> None:
         assert ids(out.choices[0]) == greedy, extra
     out = complete(client, prompt=PROMPT, max_tokens=32, temperature=1.0, seed=7, top_p=0.01)
     assert ids(out.choices[0]) == greedy
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_budget_line_and_idle_uses_next_to_no_cpu(server: ServerProcess, client) -> None:
+    assert "compute threads 1 + 1*1 = 2 <=" in server.log()
+    client.completions.create(model="scripted", prompt=[1, 2, 3], max_tokens=4)
+    wait_idle(server.url)
+    pids = [server.proc.pid, *server.engine_core_pids()]
+    assert len(pids) == 2
+    before = sum(cpu_seconds(p) for p in pids)
+    time.sleep(3.0)
+    used = sum(cpu_seconds(p) for p in pids) - before
+    assert used < 0.3, f"idle server and engine core used {used:.2f} s of CPU in 3 s"

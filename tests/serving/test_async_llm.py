@@ -209,25 +209,42 @@ def test_data_parallel_spreads_and_matches(reference) -> None:
         eng.shutdown()
 
 
+ENDLESS = SamplingParams(
+    temperature=0, max_tokens=100_000, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+)
+
+
+def child_pids(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+async def kill_mid_stream(eng: AsyncLLM, victim: str, match: str, timeout_s: float) -> None:
+    """Start an endless stream, SIGKILL the engine core ("core") or its worker process
+    ("worker") once it produced, and expect the stream to fail with `EngineDeadError`."""
+    stream = eng.generate([1, 2, 3], ENDLESS, "doomed")
+    await stream.__anext__()
+    pid = eng.client.processes[0].pid
+    if victim == "worker":
+        workers = child_pids(pid)
+        assert workers, "the process executor's worker is a child of the engine core"
+        pid = workers[0]
+    os.kill(pid, signal.SIGKILL)
+
+    async def drain() -> None:
+        async for _ in stream:
+            pass
+
+    with pytest.raises(EngineDeadError, match=match):
+        await asyncio.wait_for(drain(), timeout_s)
+
+
 def test_engine_death_fails_streams_and_is_noticed() -> None:
     eng = AsyncLLM(model="scripted", worker_num_threads=1)
     try:
 
         async def main() -> None:
-            params = SamplingParams(
-                temperature=0, max_tokens=100_000, ignore_eos=True,
-                output_kind=RequestOutputKind.DELTA,
-            )  # fmt: skip
-            stream = eng.generate([1, 2, 3], params, "doomed")
-            await stream.__anext__()
-            os.kill(eng.client.processes[0].pid, signal.SIGKILL)
-
-            async def drain() -> None:
-                async for _ in stream:
-                    pass
-
-            with pytest.raises(EngineDeadError, match="exited unexpectedly"):
-                await asyncio.wait_for(drain(), 5)
+            await kill_mid_stream(eng, "core", "exited unexpectedly", 5)
             reason = await asyncio.wait_for(eng.wait_dead(), 1)
             assert "engine core 0" in reason and not eng.is_healthy()
             with pytest.raises(EngineDeadError):
@@ -238,32 +255,12 @@ def test_engine_death_fails_streams_and_is_noticed() -> None:
         eng.shutdown()
 
 
-def child_pids(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
-
-
 def test_worker_process_death_kills_the_engine_cleanly() -> None:
     eng = AsyncLLM(model="scripted", worker_num_threads=1, executor="process")
     try:
 
         async def main() -> None:
-            params = SamplingParams(
-                temperature=0, max_tokens=100_000, ignore_eos=True,
-                output_kind=RequestOutputKind.DELTA,
-            )  # fmt: skip
-            stream = eng.generate([1, 2, 3], params, "doomed")
-            await stream.__anext__()
-            workers = child_pids(eng.client.processes[0].pid)
-            assert workers, "the process executor's worker is a child of the engine core"
-            os.kill(workers[0], signal.SIGKILL)
-
-            async def drain() -> None:
-                async for _ in stream:
-                    pass
-
-            with pytest.raises(EngineDeadError, match="worker"):
-                await asyncio.wait_for(drain(), 10)
+            await kill_mid_stream(eng, "worker", "worker", 10)
             assert not eng.is_healthy()
 
         asyncio.run(main())

@@ -239,7 +239,7 @@ def offline_once(name: str, workload_file: str, args: argparse.Namespace, setup:
 
 def _setup(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.bench import load_workload
-    from tandem.core.config import SchedulerConfig
+    from tandem.config import SchedulerConfig
 
     workload = load_workload(args.workload)
     longest = max(

@@ -81,7 +81,7 @@ def documents() -> list[str]:
 
 def bitmask_benchmark(backend: str, num_requests: int) -> dict[str, Any]:
     from tandem import SamplingParams
-    from tandem.core.config import EngineConfig, ModelConfig
+    from tandem.config import EngineConfig, ModelConfig
     from tandem.core.model_runner_output import ModelRunnerOutput
     from tandem.core.request import Request
     from tandem.core.scheduler_output import SchedulerOutput

@@ -18,12 +18,12 @@ from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from tandem.core.config import EngineConfig
+from tandem.config import EngineConfig
 from tandem.core.executor import Executor, make_executor
 from tandem.core.live_requests import LiveRequests
 from tandem.core.model_runner_output import ModelRunnerOutput, resolve_output
 from tandem.core.outputs import EngineCoreOutput
-from tandem.core.plugin_manager import TandemPluginManager, capability, loadable_plugins
+from tandem.core.plugin_manager import TandemPluginManager, import_class
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.scheduler_state import SchedulerState
@@ -70,10 +70,8 @@ class EngineCore:
         #: Wraps each wait for a step's results, the one part of a step that is no hook
         #: call (the tracing plugin times it); returns a context manager.
         self.wait_observer: Callable[[], AbstractContextManager[None]] | None = None
-        for cls in loadable_plugins().values():  # cross-cutting plugins on wrapper hooks
-            flag = capability(cls, "attached_by")
-            if flag and getattr(config, flag, False):
-                cls.attach(self)
+        for path in config.attached_plugins:  # cross-cutting plugins on wrapper hooks
+            import_class(path).attach(self)
 
     # Requests -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from tandem.core.config import ConfigError, EngineConfig
+from tandem.config import ConfigError, EngineConfig
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.scheduler_output import SchedulerOutput
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from tandem.core.config import EngineConfig
+    from tandem.config import EngineConfig
     from tandem.core.model_runner_output import ModelRunnerOutput, SamplerOutput
     from tandem.core.outputs import EngineCoreOutput, PluginFinish
     from tandem.core.plugin_manager import TandemPluginManager

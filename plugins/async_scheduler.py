@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from tandem.config import EngineConfig
 from tandem.core import hookimpl
-from tandem.core.config import EngineConfig
 from tandem.core.plugin_manager import PluginConfigError, TandemPlugin, TandemPluginManager
 from tandem.core.scheduler_output import SchedulerOutput
 

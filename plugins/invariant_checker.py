@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
+from tandem.config import EngineConfig
 from tandem.core import hookimpl
-from tandem.core.config import EngineConfig
 from tandem.core.plugin_manager import TandemPlugin, TandemPluginManager
 from tandem.core.scheduler_state import SchedulerState
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pluggy
 
-from tandem.core.config import EngineConfig
+from tandem.config import EngineConfig
 from tandem.core.plugin_manager import PluginConfigError
 from tandem.core.request import Request
 from tandem.core.waiting_queue import WaitingQueue

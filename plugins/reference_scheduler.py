@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict
 
+from tandem.config import EngineConfig
 from tandem.core import hookimpl
-from tandem.core.config import EngineConfig
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.plugin_manager import TandemPlugin, TandemPluginManager

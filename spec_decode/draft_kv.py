@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.core.config import ConfigError, EngineConfig
+from tandem.config import ConfigError, EngineConfig
 from tandem.core.worker.draft_context import DraftContext
 
 

@@ -26,8 +26,8 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from tandem.config import ConfigError, EngineConfig
 from tandem.core import hookimpl
-from tandem.core.config import ConfigError, EngineConfig
 from tandem.core.worker.draft_context import DraftContext
 from tandem.core.worker.paged_attention import (
     PagedAttentionMetadata,

@@ -27,8 +27,8 @@ from typing import ClassVar
 
 import numpy as np
 
+from tandem.config import ConfigError, EngineConfig
 from tandem.core import hookimpl
-from tandem.core.config import ConfigError, EngineConfig
 from tandem.core.plugin_manager import NoOptions, TandemPlugin
 from tandem.core.worker.draft_context import DraftContext
 

@@ -55,8 +55,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from tandem.config import EngineConfig
 from tandem.core import hookimpl
-from tandem.core.config import EngineConfig
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.outputs import PluginFinish
 from tandem.core.plugin_manager import TandemPlugin

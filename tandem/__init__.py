@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tandem.core.config import EngineConfig
+    from tandem.config import EngineConfig
     from tandem.llm import LLM
     from tandem.outputs import CompletionOutput, RequestOutput
     from tandem.sampling_params import SamplingParams
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "LLM": "tandem.llm",
     "CompletionOutput": "tandem.outputs",
-    "EngineConfig": "tandem.core.config",
+    "EngineConfig": "tandem.config",
     "RequestOutput": "tandem.outputs",
     "SamplingParams": "tandem.sampling_params",
     "load_config": "tandem.stack_file",

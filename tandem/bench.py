@@ -31,6 +31,36 @@ BUILTIN_WORKLOADS: dict[str, tuple[int, tuple[int, int], int, int]] = {
     "latency": (1, (128, 128), 128, 1),
     "small": (16, (16, 128), 32, 2),
 }
+#: The "engine" sections of the built-in workloads (the checkout's files carry the same):
+#: the settings their users would give either engine (vLLM's names; `kv_cache_memory_gib`
+#: is vLLM-CPU's VLLM_CPU_KVCACHE_SPACE). See benchmarks/make_shape_workloads.py.
+BUILTIN_ENGINES: dict[str, dict[str, Any]] = {
+    "default": {
+        "max_num_seqs": 64,
+        "max_model_len": 1024,
+        "enable_prefix_caching": False,
+        "max_num_batched_tokens": 2048,
+        "kv_cache_memory_gib": 2,
+    },
+    "latency": {
+        "max_num_seqs": 1,
+        "max_model_len": 256,
+        "enable_prefix_caching": False,
+        "max_num_batched_tokens": 2048,
+        "kv_cache_memory_gib": 1,
+    },
+}
+#: Keys of a workload's "engine" section that become `LLM(...)` keywords (the same names
+#: in tandem and vLLM, except `kv_cache_memory_gib`, which vLLM-CPU reads from its env).
+ENGINE_KEYS = (
+    "max_num_seqs",
+    "max_model_len",
+    "enable_prefix_caching",
+    "max_num_batched_tokens",
+    "kv_cache_memory_gib",
+)
+#: The warm-up request: ids no workload's first block shares, so prefix caches start cold.
+WARMUP_PROMPT = list(range(100, 116))
 VLLM_PYTHON = ROOT / "benchmarks" / "peers" / ".venv-vllm" / "bin" / "python"
 VLLM_RUNNER = ROOT / "benchmarks" / "peers" / "vllm_runner.py"
 
@@ -60,11 +90,30 @@ def load_workload(spec: str) -> dict[str, Any]:
     if path.exists():
         return json.loads(path.read_text())
     if spec in BUILTIN_WORKLOADS:
-        return make_workload(spec, *BUILTIN_WORKLOADS[spec])
+        workload = make_workload(spec, *BUILTIN_WORKLOADS[spec])
+        if spec in BUILTIN_ENGINES:
+            workload["engine"] = dict(BUILTIN_ENGINES[spec])
+        return workload
     raise ValueError(
         f"--workload: {spec!r} is neither a file nor a built-in workload "
         f"({', '.join(sorted(BUILTIN_WORKLOADS))})"
     )
+
+
+def engine_kwargs(workload: dict[str, Any]) -> dict[str, Any]:
+    """The `LLM(...)` keywords of a workload's "engine" section (unknown keys are left out)."""
+    engine = workload.get("engine", {})
+    return {k: engine[k] for k in ENGINE_KEYS if k in engine}
+
+
+def _max_rss_mib() -> dict[str, float]:
+    """Peak RSS of this process and of its largest reaped child (Linux: ru_maxrss in KiB)."""
+    import resource
+
+    return {
+        "max_rss_self_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "max_rss_children_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+    }
 
 
 def _median(values: list[float]) -> float | None:
@@ -80,6 +129,7 @@ def run_tandem(
     from tandem.plugins.tracing import tracing_of
 
     torch.set_num_threads(threads)
+    overrides = engine_kwargs(workload) | overrides  # --set wins over the workload's engine
     llm = LLM(model=model, worker_num_threads=threads, trace_hooks=True, **overrides)
     # With the worker in its own process the engine only plans steps: one thread.
     torch.set_num_threads(1 if llm.config.parallel.executor == "process" else threads)
@@ -88,7 +138,7 @@ def run_tandem(
         SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs
     ]
     llm.generate(
-        [reqs[0]["prompt_token_ids"][:16]],
+        [WARMUP_PROMPT],
         SamplingParams(temperature=0, max_tokens=4),
         use_tqdm=False,
     )  # warm up
@@ -111,6 +161,8 @@ def run_tandem(
     tracing = tracing_of(llm.engine)  # on: trace_hooks=True above
     hooks = tracing.summary(llm.engine.num_steps) if tracing is not None else {}
     spec_metrics = llm.spec_decode_metrics()  # includes the warm-up's few steps
+    memory = _max_rss_mib()
+    kv_pool_tokens = (llm.config.cache.num_kv_blocks or 0) * llm.config.cache.block_size
     llm.shutdown()
     return {
         "hook_times": hooks,  # per "plugin.hook": calls, total_ms, ms_per_step
@@ -124,6 +176,9 @@ def run_tandem(
         "executor": llm.config.parallel.executor,
         "engine_threads": torch.get_num_threads(),
         "config": {k: v for k, v in overrides.items()},
+        "kv_pool_tokens": kv_pool_tokens,
+        "block_size": llm.config.cache.block_size,
+        **memory,
     }
 
 
@@ -134,7 +189,7 @@ def run_hf(
     import torch
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-    from tandem.core.resolve import resolve_config
+    from tandem.config_resolution import resolve_config
     from tandem.stack_file import load_config
 
     torch.set_num_threads(threads)

@@ -57,8 +57,9 @@ def cmd_plugins_list(args: argparse.Namespace) -> int:
     """Every installed plugin with its declared capabilities; one that fails to import
     (even by calling `sys.exit`) is listed as broken, with its error, and the others are
     still listed. Then the installed model loaders and the kinds they declare."""
-    from tandem.core.plugin_manager import discover_plugins, implemented_hooks, load_plugin_class
+    from tandem.core.plugin_manager import implemented_hooks
     from tandem.core.worker.model_loader import model_loaders
+    from tandem.plugin_discovery import discover_plugins, load_plugin_class
 
     broken = []
     for name, info in sorted(discover_plugins().items()):
@@ -86,7 +87,8 @@ def cmd_plugins_list(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins_show(args: argparse.Namespace) -> int:
-    from tandem.core.plugin_manager import implemented_hooks, load_plugin_class
+    from tandem.core.plugin_manager import implemented_hooks
+    from tandem.plugin_discovery import load_plugin_class
 
     cls = load_plugin_class(args.name)
     print(f"{args.name}: {cls.__module__}.{cls.__qualname__}")
@@ -103,13 +105,14 @@ def cmd_plugins_show(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
+    from tandem.config_resolution import resolve_config
     from tandem.core.plugin_manager import implemented_hooks
-    from tandem.core.resolve import resolve_config, stack_of
+    from tandem.core.stack import stack_of
     from tandem.stack_file import load_config
 
     config = resolve_config(load_config(args.stack, **_overrides(args)))
     source = args.stack or "<defaults>"
-    resolved = stack_of(config, source)
+    resolved = stack_of(config)
     firstresult = _firstresult_hooks()
     print(f"# resolved stack from {source}")
     print(f"# {_threads_line(config)}")
@@ -358,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return trace_main(argv[1:])
     args = build_parser().parse_args(argv)
-    from tandem.core.config import ConfigError
+    from tandem.config import ConfigError
 
     try:
         return args.fn(args)

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from tandem.core.config import ConfigError, EngineConfig
+from tandem.config import ConfigError, EngineConfig
 from tandem.sampling_params import SamplingParams
 
 #: Logged under the front door's name: these are `LLM`'s defaults.

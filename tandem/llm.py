@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from tandem.chat_prompts import chat_prompts
-from tandem.core.config import EngineConfig
+from tandem.config import EngineConfig
+from tandem.config_resolution import resolve_config
 from tandem.core.engine_core import EngineCore
 from tandem.core.executor import executor_class
 from tandem.core.request import RequestRejectedError
-from tandem.core.resolve import resolve_config
 from tandem.core.worker.model_loader import model_loader_for
 from tandem.generation_defaults import load_generation_defaults
 from tandem.llm_inputs import (

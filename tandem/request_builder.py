@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from tandem.core.config import EngineConfig
+from tandem.config import EngineConfig
 from tandem.core.request import Request
 from tandem.llm_inputs import PromptType, _token_ids
 from tandem.sampling_params import SamplingParams

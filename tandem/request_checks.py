@@ -10,7 +10,7 @@ message names the request and the field.
 
 from __future__ import annotations
 
-from tandem.core.config import EngineConfig
+from tandem.config import EngineConfig
 from tandem.core.request import Request, RequestRejectedError
 from tandem.sampling_params import SamplingParams, validate_for_model
 

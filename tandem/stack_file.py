@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from tandem.core.config import ConfigError, EngineConfig, SpeculativeConfig, with_line
+from tandem.config import ConfigError, EngineConfig, SpeculativeConfig, with_line
 from tandem.core.worker.model_files import cache_root
 from tandem.sampling_params import format_validation_error
 

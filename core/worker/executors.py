@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from tandem.core.config import EngineConfig
+from tandem.config import EngineConfig
 from tandem.core.executor import Executor, completed
 from tandem.core.messages import (
     ExecuteModel,

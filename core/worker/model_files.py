@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tandem.core.config import ConfigError
+from tandem.config import ConfigError
 
 
 def cache_root() -> Path:

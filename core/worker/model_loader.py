@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from tandem.core.config import ConfigError, EngineConfig
+from tandem.config import ConfigError, EngineConfig
 
 if TYPE_CHECKING:
     from tandem.core.worker.model_runner import StepModel
@@ -47,7 +47,7 @@ class ModelLoader(Protocol):
 
 def model_loaders() -> dict[str, type[ModelLoader]]:
     """Every installed loader, by each kind it declares."""
-    from tandem.core.plugin_manager import plugin_entry_points
+    from tandem.plugin_discovery import plugin_entry_points
 
     loaders: dict[str, type[ModelLoader]] = {}
     for ep in plugin_entry_points(MODEL_LOADER_GROUP):

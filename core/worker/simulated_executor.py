@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.core.config import ConfigError, EngineConfig, SimulatedDeviceConfig
+from tandem.config import ConfigError, EngineConfig, SimulatedDeviceConfig
 from tandem.core.executor import Executor
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.scheduler_output import SchedulerOutput

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from tandem.core.config import EngineConfig
+from tandem.config import EngineConfig
 
 logger = logging.getLogger("tandem.config")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.core.config import EngineConfig
+from tandem.config import EngineConfig
 from tandem.core.model_runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 from tandem.core.plugin_manager import TandemPluginManager
 from tandem.core.scheduler_output import SchedulerOutput

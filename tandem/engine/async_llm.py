@@ -34,10 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.core.config import EngineConfig
+from tandem.config import EngineConfig
+from tandem.config_resolution import resolve_config
 from tandem.core.executor import executor_class
 from tandem.core.messages import AbortRequests, AddRequest, EngineCoreDead, EngineCoreOutputs
-from tandem.core.resolve import resolve_config, stack_of
+from tandem.core.stack import stack_of
 from tandem.core.worker.model_loader import model_loader_for
 from tandem.engine.core_client import EngineCoreClient
 from tandem.engine.errors import EngineDeadError, QueueFullError

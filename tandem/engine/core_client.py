@@ -29,7 +29,7 @@ from typing import Any
 
 import zmq
 
-from tandem.core.config import EngineConfig
+from tandem.config import EngineConfig
 from tandem.core.messages import (
     EngineCoreDead,
     EngineCoreReady,

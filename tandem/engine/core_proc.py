@@ -25,7 +25,7 @@ import threading
 import traceback
 from typing import Any
 
-from tandem.core.config import EngineConfig
+from tandem.config import EngineConfig
 from tandem.core.messages import (
     AbortRequests,
     AddRequest,

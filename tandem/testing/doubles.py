@@ -11,7 +11,7 @@ points. Stacks keep naming them; a worker in another process imports them by pat
 
 from __future__ import annotations
 
-from tandem.core.plugin_manager import register_plugin
+from tandem.plugin_discovery import register_plugin
 from tandem.testing.fake_grammar import FakeGrammar
 from tandem.testing.fault_sampler import FaultSampler
 from tandem.testing.scripted_drafter import ScriptedDrafter

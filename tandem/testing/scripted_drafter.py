@@ -16,8 +16,8 @@ from typing import ClassVar
 
 from pydantic import BaseModel, Field
 
+from tandem.config import ConfigError, EngineConfig
 from tandem.core import hookimpl
-from tandem.core.config import ConfigError, EngineConfig
 from tandem.core.worker.draft_context import DraftContext
 from tandem.testing.scripted_model import scripted_next_token
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from tandem.config import EngineConfig
 from tandem.core import hookimpl
-from tandem.core.config import EngineConfig
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.plugin_manager import TandemPluginManager

@@ -41,8 +41,8 @@ from typing import Any, cast
 import pytest
 import torch
 
+from tandem.config import EngineConfig
 from tandem.core import hookimpl
-from tandem.core.config import EngineConfig
 from tandem.core.engine_core import EngineCore
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.outputs import EngineCoreOutput

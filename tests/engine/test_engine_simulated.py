@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.core.config import SimulatedDeviceConfig
+from tandem.config import SimulatedDeviceConfig
 from tandem.core.worker.simulated_executor import SimulatedExecutor, modelled_step_seconds
 from tandem.sampling_params import SamplingParams
 from tandem.testing import (
@@ -56,7 +56,7 @@ def test_cost_model_is_the_slower_of_compute_and_memory() -> None:
 
 
 def test_simulated_executor_refuses_a_real_model() -> None:
-    from tandem.core.config import ConfigError
+    from tandem.config import ConfigError
     from tandem.core.worker.simulated_executor import SimulatedExecutor as Sim
     from tandem.stack_file import load_config
 

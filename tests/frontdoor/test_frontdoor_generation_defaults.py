@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.core.config import ConfigError
+from tandem.config import ConfigError
 from tandem.core.worker.model_files import (
     EMBEDDED_DEFAULTS_MARKER,
     EMBEDDED_DEFAULTS_VERSION,

@@ -15,7 +15,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.cli import main as cli_main
-from tandem.core.resolve import resolve_config
+from tandem.config_resolution import resolve_config
 from tandem.core.worker import threads
 from tandem.stack_file import load_config
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.core import plugin_manager
-from tandem.core.plugin_manager import discover_plugins, plugin_entry_points
+from tandem import plugin_discovery
+from tandem.plugin_discovery import discover_plugins, plugin_entry_points
 
 
 def _write_dist(root: Path, name: str) -> None:
@@ -43,4 +43,4 @@ def test_a_directory_removed_from_sys_path_is_forgotten(tmp_path: Path) -> None:
     finally:
         sys.path.remove(str(tmp_path))
     assert "passing-plugin" not in discover_plugins()
-    assert plugin_manager._scans.get(plugin_manager.ENTRY_POINT_GROUP) is not None
+    assert plugin_discovery._scans.get(plugin_discovery.ENTRY_POINT_GROUP) is not None

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.core.config import ConfigError
-from tandem.core.plugin_manager import PluginConfigError, discover_plugins
+from tandem.config import ConfigError
+from tandem.core.plugin_manager import PluginConfigError
+from tandem.plugin_discovery import discover_plugins
 from tandem.testing import collect_outputs, make_request, make_scripted_engine
 
 

@@ -11,11 +11,12 @@ import pytest
 from third_party_plugins import EchoDrafter
 
 from tandem import LLM, SamplingParams
+from tandem.config import EngineConfig
 from tandem.core import hookimpl
-from tandem.core.config import EngineConfig
-from tandem.core.plugin_manager import PluginConfigError, discover_plugins, load_plugin_class
-from tandem.core.resolve import stack_of
+from tandem.core.plugin_manager import PluginConfigError
 from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.stack import stack_of
+from tandem.plugin_discovery import discover_plugins, load_plugin_class
 from tandem.plugins.reference_scheduler import ReferenceScheduler
 from tandem.testing import TEST_PLUGINS, make_scripted_engine, make_scripted_llm
 from tandem.testing.engine import expected_scripted_output
@@ -158,7 +159,7 @@ def test_test_doubles_resolve_by_name_without_shipping_as_entry_points() -> None
 
 
 def test_registered_names_come_after_installed_ones() -> None:
-    from tandem.core.plugin_manager import register_plugin, unregister_plugin
+    from tandem.plugin_discovery import register_plugin, unregister_plugin
 
     register_plugin("reference-scheduler", CountingScheduler)
     try:

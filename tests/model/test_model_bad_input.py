@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tandem.core.config import ConfigError
+from tandem.config import ConfigError
 from tandem.llm import LLM
 from tandem.sampling_params import SamplingParams
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from tandem.config import EngineConfig
 from tandem.core import hookimpl
-from tandem.core.config import EngineConfig
 from tandem.core.engine_core import IDLE_WAIT_S, EngineCore
 from tandem.core.plugin_manager import PluginConfigError, TandemPlugin
 from tandem.core.request import Request, RequestStatus

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from tandem import LLM
-from tandem.core.config import ConfigError
+from tandem.config import ConfigError
+from tandem.config_resolution import resolve_config
 from tandem.core.engine_core import EngineCore
 from tandem.core.outputs import EngineCoreOutput
-from tandem.core.resolve import resolve_config
 from tandem.sampling_params import SamplingParams, SamplingParamsError
 from tandem.stack_file import load_config
 from tandem.testing import (
@@ -263,9 +263,8 @@ def test_unknown_plugin_in_stack_file(tmp_path: Path) -> None:
         "model: {model: scripted, max_model_len: 64}\nplugins: [no-such-plugin]\n",
         "plugins.yaml",
     )
-    config = resolve_config(load_config(path))  # the names are resolved by the engine
-    with pytest.raises(ConfigError) as info:
-        EngineCore(config, source=str(path))
+    with pytest.raises(ConfigError) as info:  # names are resolved with the config
+        resolve_config(load_config(path))
     message = str(info.value)
     assert "plugins.yaml" in message
     assert "plugins[0].name" in message

@@ -110,7 +110,7 @@ def test_max_tokens_and_stop_tokens_inside_an_accepted_run(
 
 
 def test_missing_model_is_a_config_error(tiny_llama: Path) -> None:
-    from tandem.core.config import ConfigError
+    from tandem.config import ConfigError
 
     with pytest.raises(ConfigError, match="speculative.model"):
         make_llm(

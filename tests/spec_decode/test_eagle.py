@@ -311,7 +311,7 @@ def test_draft_vocab_restricts_proposals(
 
 
 def test_missing_head_directory_is_a_config_error(tiny_llama: Path, tmp_path: Path) -> None:
-    from tandem.core.config import ConfigError
+    from tandem.config import ConfigError
 
     with pytest.raises(ConfigError, match="not an EAGLE head checkpoint"):
         make_llm(tiny_llama, False, speculative_config=eagle(tmp_path))

@@ -69,7 +69,8 @@ def _install_exiting_plugin(root: Path) -> None:
 def test_plugin_calling_sys_exit_is_reported_as_broken(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tandem.core.plugin_manager import PluginConfigError, load_plugin_class
+    from tandem.core.plugin_manager import PluginConfigError
+    from tandem.plugin_discovery import load_plugin_class
 
     _install_exiting_plugin(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -87,7 +88,7 @@ def test_plugin_calling_sys_exit_is_reported_as_broken(
 def test_keyboard_interrupt_in_a_plugin_import_still_interrupts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tandem.core.plugin_manager import load_plugin_class
+    from tandem.plugin_discovery import load_plugin_class
 
     _install_exiting_plugin(tmp_path)
     (tmp_path / "exiting_plugin.py").write_text("raise KeyboardInterrupt\n")

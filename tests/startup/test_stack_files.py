@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.core.config import ConfigError
+from tandem.config import ConfigError
 from tandem.core.worker.model_files import cache_root
 from tandem.stack_file import load_config
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tandem.core.config import EngineConfig, ModelConfig
+from tandem.config import EngineConfig, ModelConfig
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import torch
 from so_helpers import SCHEMA, allowed, fill
 
 from tandem import SamplingParams
-from tandem.core.config import EngineConfig
+from tandem.config import EngineConfig
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.request import Request, RequestRejectedError
 from tandem.core.scheduler_output import SchedulerOutput

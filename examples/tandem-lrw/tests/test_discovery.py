@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from tandem import LLM, SamplingParams, load_config
 from tandem.cli import main as tandem_cli
+from tandem.config_resolution import resolve_config
 from tandem.core.engine_core import EngineCore
-from tandem.core.plugin_manager import discover_plugins, load_plugin_class
-from tandem.core.resolve import resolve_config
+from tandem.plugin_discovery import discover_plugins, load_plugin_class
 from tandem.testing import expected_scripted_output
 
 from _helpers import EOS, STACK, VOCAB, prompt, req, run_exact, victim_plugin

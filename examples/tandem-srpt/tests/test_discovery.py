@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from tandem import LLM, SamplingParams, load_config
 from tandem.cli import main as tandem_cli
+from tandem.config_resolution import resolve_config
 from tandem.core.engine_core import EngineCore
-from tandem.core.plugin_manager import discover_plugins, load_plugin_class
-from tandem.core.resolve import resolve_config
+from tandem.plugin_discovery import discover_plugins, load_plugin_class
 from tandem.testing import collect_outputs, expected_scripted_output
 
 from _helpers import EOS, STACK, VOCAB, expected, order_of, prompt, queue_of, req

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 from tandem import load_config
+from tandem.config_resolution import resolve_config
 from tandem.core.engine_core import EngineCore
 from tandem.core.plugin_manager import PluginConfigError
-from tandem.core.resolve import resolve_config
 from tandem.testing import make_scripted_engine
 
 from _helpers import STACK, srpt_stack

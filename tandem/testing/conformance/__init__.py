@@ -90,7 +90,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from tandem.core.plugin_manager import discover_plugins, register_plugin, unregister_plugin
+from tandem.plugin_discovery import discover_plugins, register_plugin, unregister_plugin
 from tandem.testing.conformance.ledger import LedgerStep, format_ledger_trace, ledger_trace
 from tandem.testing.conformance.report import CheckResult, ConformanceError, ConformanceReport
 from tandem.testing.conformance.run import RunResult, reference_outputs, run_workload, stack_for
@@ -147,7 +147,7 @@ def _kebab(name: str) -> str:
 @contextlib.contextmanager
 def registered_plugins(plugins: Mapping[str, type]) -> Iterator[None]:
     """Make plugin classes resolvable by name for the block (the kernel's in-process
-    registry, `tandem.core.plugin_manager.register_plugin`). Names of installed plugins
+    registry, `tandem.plugin_discovery.register_plugin`). Names of installed plugins
     are refused (ValueError). A worker in another process imports a class by its path, so
     a class defined in a function runs with the in-process or thread executor only."""
     clash = sorted(set(plugins) & set(discover_plugins()))

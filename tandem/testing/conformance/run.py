@@ -8,14 +8,14 @@ from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.config import ConfigError
 from tandem.core import hookimpl
-from tandem.core.config import ConfigError
 from tandem.core.engine_core import EngineCore
 from tandem.core.outputs import EngineCoreOutput
-from tandem.core.plugin_manager import load_plugin_class
 from tandem.core.request import Request
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.scheduler_state import SchedulerState
+from tandem.plugin_discovery import load_plugin_class
 from tandem.plugins.invariant_checker import InvariantViolation
 from tandem.testing.conformance.report import ConformanceError
 from tandem.testing.conformance.rules import DriverRules

@@ -50,8 +50,8 @@ from __future__ import annotations
 import math
 
 from pydantic import BaseModel, ConfigDict, Field
+from tandem.config import EngineConfig
 from tandem.core import hookimpl
-from tandem.core.config import EngineConfig
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.plugin_manager import PluginConfigError, TandemPlugin
 from tandem.core.request import RequestStatus

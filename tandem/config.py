@@ -3,7 +3,7 @@
 Reading YAML stack files and keyword overrides is the front door's (`tandem.stack_file`,
 `tandem.load_config`). Plugin names are not listed here: `speculative.method` and
 `structured_output.backend` are plain strings, checked when the stack is resolved against
-what installed plugins declare (`tandem.core.resolve`).
+what installed plugins declare (`tandem.config_resolution`).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class ParallelConfig(_Section):
 
 class PluginSpec(_Section):
     """One entry of the stack: `name` is an installed plugin's entry-point name (group
-    `tandem.plugins`), a name registered in-process (`plugin_manager.register_plugin`), or
+    `tandem.plugins`), a name registered in-process (`tandem.plugin_discovery.register_plugin`), or
     an import path `module:Class`; `plugin` is the class itself when one was given (e.g.
     `LLM(plugins=[MyScheduler])`; it never leaves the process: serialised, it is the path).
     """
@@ -184,7 +184,7 @@ def _as_spec(entry: Any) -> Any:
 class EngineConfig(_Section):
     """The whole configuration. `plugins=None` means the default stack.
 
-    `resolved_stack` is written when the stack is resolved (`tandem.core.resolve`): every
+    `resolved_stack` is written when the stack is resolved (`tandem.config_resolution`): every
     plugin in call order with its class (serialised as `module:Class`), so a worker in
     another process rebuilds the same stack without discovery. Anything set there by hand
     is replaced by `resolve_config`.
@@ -198,6 +198,9 @@ class EngineConfig(_Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     plugins: list[PluginSpec] | None = None
     resolved_stack: list[PluginSpec] | None = None
+    #: Cross-cutting plugins (`module:Class`) whose `attached_by` flag this config sets;
+    #: written by `resolve_config`, attached by every engine.
+    attached_plugins: list[str] = Field(default_factory=list)
     check_invariants: bool = False
     trace_hooks: bool = Field(
         False, description="time each plugin's implementation of each hook (engine side)"

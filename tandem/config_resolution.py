@@ -1,90 +1,44 @@
-"""Completing a config: model limits, KV pool, async mode, and the one resolved stack.
+"""Completing a config on the front door: model limits, KV pool, async mode, the stack.
 
-`resolve_config` fills every `None` that has a computable value: the model's loader
-(`worker.model_loader`) fills vocabulary, EOS, `max_model_len` and the KV pool; then
-`async_scheduling`: None resolves to on unless an option is incompatible (then off, with a
-log line naming it); True with an incompatible option is an error naming it. Incompatible:
-an executor without async support, pipeline parallelism, a drafter that declares
-`aligned_drafts = False`.
+`resolve_config` (vLLM's `EngineArgs.create_engine_config`) fills every `None` that has a
+computable value: the model's loader (`worker.model_loader`) fills vocabulary, EOS,
+`max_model_len` and the KV pool; then `async_scheduling`: None resolves to on unless an
+option is incompatible (then off, with a log line naming it); True with an incompatible
+option is an error naming it. Incompatible: an executor without async support, pipeline
+parallelism, a drafter that declares `aligned_drafts = False`.
 
-`stack_of(config)` resolves the plugin stack once (names to classes, implied plugins,
-options, conflicts) into a `ResolvedStack` kept on the config; the engine's and the
-worker's plugin managers both read it. `config.resolved_stack` is its serialisable form
-(each class as `module:Class`), from which a worker in another process rebuilds it.
+Last it resolves the plugin stack once (names to classes through discovery, implied
+plugins, options, conflicts) and keeps it on the config (`tandem.core.stack.keep_stack`);
+the engine's and the worker's plugin managers only read it. The kernel receives a resolved
+config and never discovers plugins.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
-from pydantic import BaseModel, ValidationError
-
-from tandem.core.config import ConfigError, EngineConfig, PluginSpec, class_path, with_line
+from tandem.config import ConfigError, EngineConfig, PluginSpec, class_path, with_line
 from tandem.core.plugin_manager import (
-    ALL_HOOKS,
-    NoOptions,
     PluginConfigError,
     capability,
     implemented_hooks,
     import_class,
-    load_plugin_class,
-    loadable_plugins,
 )
+from tandem.core.stack import ResolvedStack, StackEntry, keep_stack, stack_entry
 from tandem.core.worker.model_loader import model_loader_for
 from tandem.core.worker.threads import resolve_worker_threads
-from tandem.sampling_params import format_validation_error
+from tandem.plugin_discovery import load_plugin_class, loadable_plugins
 
 logger = logging.getLogger("tandem.config")
 
 
-@dataclass(frozen=True, slots=True)
-class StackEntry:
-    """One plugin of a resolved stack: its class, validated options, and where the stack
-    names it (`file:line: plugins[i]`, for errors)."""
-
-    name: str
-    cls: type
-    options: BaseModel
-    raw_options: dict
-    where: str
-
-    def cap(self, name: str) -> object:
-        return capability(self.cls, name)
-
-    def spec(self) -> PluginSpec:
-        return PluginSpec(name=self.name, options=self.raw_options, plugin=self.cls)
-
-
-@dataclass(frozen=True, slots=True)
-class ResolvedStack:
-    """The stack in call order, with the facts the kernel derives from it."""
-
-    entries: tuple[StackEntry, ...]
-
-    def with_role(self, role: str) -> list[StackEntry]:
-        return [e for e in self.entries if e.cap("role") == role]
-
-    @property
-    def drafter(self) -> StackEntry | None:
-        return next(iter(self.with_role("drafter")), None)
-
-    @property
-    def needs_hidden_states(self) -> bool:
-        return any(e.cap("needs_hidden_states") for e in self.with_role("drafter"))
-
-    @property
-    def applies_grammar_bitmask(self) -> bool:
-        return any(e.cap("applies_grammar_bitmask") for e in self.with_role("sampler"))
-
-    @property
-    def async_incompatibility(self) -> str | None:
-        """The plugin that rules async scheduling out, in words, or None."""
-        drafter = self.drafter
-        if drafter is not None and not drafter.cap("aligned_drafts"):
-            return f"drafter {drafter.name!r} (its drafts are not aligned with the sampled tokens)"
-        return None
+def async_incompatibility(stack: ResolvedStack) -> str | None:
+    """The plugin that rules async scheduling out, in words, or None."""
+    drafter = stack.drafter
+    if drafter is not None and not drafter.cap("aligned_drafts"):
+        return f"drafter {drafter.name!r} (its drafts are not aligned with the sampled tokens)"
+    return None
 
 
 def _declared(role: str, attr: str, value: str) -> tuple[list[str], list[str]]:
@@ -154,17 +108,7 @@ def _entry(config: EngineConfig, spec: PluginSpec, where: str) -> StackEntry:
     if cls is None:
         path = spec.plugin if isinstance(spec.plugin, str) else None
         cls = load_plugin_class(path or spec.name, f"{where}.name")
-    unknown = implemented_hooks(cls) - ALL_HOOKS
-    if unknown:
-        raise PluginConfigError(
-            f"plugin {spec.name!r} implements unknown hook(s) {sorted(unknown)}; "
-            f"known hooks: {sorted(ALL_HOOKS)}"
-        )
-    try:
-        options = getattr(cls, "Options", NoOptions).model_validate(spec.options)
-    except ValidationError as exc:
-        raise PluginConfigError(format_validation_error(exc, f"{where}.options")) from exc
-    return StackEntry(spec.name, cls, options, dict(spec.options), where)
+    return stack_entry(cls, spec, where)
 
 
 def _check_roles(config: EngineConfig, stack: ResolvedStack, source: str) -> None:
@@ -292,25 +236,6 @@ def resolve_stack(config: EngineConfig, source: str | None = None) -> ResolvedSt
     return _finish(config, _base_entries(config, source), source)
 
 
-def _keep(config: EngineConfig, stack: ResolvedStack) -> ResolvedStack:
-    config._stack = stack
-    config.resolved_stack = [e.spec() for e in stack.entries]
-    return stack
-
-
-def stack_of(config: EngineConfig, source: str | None = None) -> ResolvedStack:
-    """The config's resolved stack: resolved on first use and kept on the config (with its
-    serialisable form in `config.resolved_stack`), or rebuilt from `resolved_stack` by
-    importing each class by path (a worker process), never discovered twice."""
-    if config._stack is not None:
-        return config._stack
-    if config.resolved_stack is not None:
-        entries = [_entry(config, s, f"plugin {s.name!r}") for s in config.resolved_stack]
-        config._stack = ResolvedStack(tuple(entries))
-        return config._stack
-    return _keep(config, resolve_stack(config, source))
-
-
 def _resolve_async(config: EngineConfig, executor_supports_async: bool) -> bool:
     """Decide `async_scheduling`; with speculative decoding the drafter has a say, so the
     stack is resolved here (once: it is kept on the config)."""
@@ -321,7 +246,7 @@ def _resolve_async(config: EngineConfig, executor_supports_async: bool) -> bool:
         incompatible = "pipeline parallelism"
     elif config.speculative is not None and requested is not False:
         entries = _base_entries(config, config.source)
-        incompatible = ResolvedStack(tuple(entries)).async_incompatibility
+        incompatible = async_incompatibility(ResolvedStack(tuple(entries)))
     if requested and incompatible:
         raise ConfigError(f"scheduler.async_scheduling: true is not supported with {incompatible}")
     if requested is None and incompatible:
@@ -329,13 +254,13 @@ def _resolve_async(config: EngineConfig, executor_supports_async: bool) -> bool:
     decided = not incompatible if requested is None else requested
     if entries is not None:
         config.scheduler.async_scheduling = decided
-        _keep(config, _finish(config, entries, config.source))
+        keep_stack(config, _finish(config, entries, config.source))
     return decided
 
 
 def resolve_config(config: EngineConfig, executor_supports_async: bool = True) -> EngineConfig:
-    """Return a copy with every `None` that has a computable value filled in (the stack
-    itself is resolved on first use, `stack_of`)."""
+    """Return a copy with every `None` that has a computable value filled in and the
+    plugin stack resolved and kept on it (`tandem.core.stack.stack_of` reads it)."""
     config = config.model_copy(deep=True)
     config._stack, config.resolved_stack = None, None
     model = config.model
@@ -357,4 +282,11 @@ def resolve_config(config: EngineConfig, executor_supports_async: bool = True) -
         raise ConfigError("speculative.prompt_lookup_min must be <= speculative.prompt_lookup_max")
     config.scheduler.async_scheduling = _resolve_async(config, executor_supports_async)
     resolve_worker_threads(config)
+    if config._stack is None:
+        keep_stack(config, resolve_stack(config))
+    config.attached_plugins = [
+        class_path(cls)
+        for cls in loadable_plugins().values()
+        if (flag := capability(cls, "attached_by")) and getattr(config, flag, False)
+    ]
     return config

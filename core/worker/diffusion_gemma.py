@@ -1,0 +1,196 @@
+"""DiffusionGemma on tandem's paged KV: a `BlockDiffusionModel` (see `block_diffusion`).
+
+Loaded from a local transformers directory (`DiffusionGemmaForBlockDiffusion.from_pretrained`,
+never a download): the transformers modules hold the weights and tandem runs their
+submodules in its own data flow (`diffusion_gemma_layers`, `diffusion_gemma_attention`):
+
+- `encode(batch)`: the causal encoder over a `FlatBatch` of prompt chunks and committed
+  canvases, written layer by layer into per-layer-group pools (`kv_layer_groups`: sliding
+  layers `[.., kv_heads, head_dim]`, full layers `[.., global_kv_heads, global_head_dim]`,
+  one block table). The last layer only projects and writes its K/V: encoder hidden
+  states are never read (the decoder gets only the cache), so its attention output, MLP
+  and MoE are skipped.
+- `denoise(canvas_ids, self_cond, context)`: the bidirectional decoder over one L-token
+  canvas per request, batched across requests with different context lengths, attending
+  to each request's cached window through its block table; writes nothing. Returns the
+  reference's `DiffusionGemmaForBlockDiffusion.forward` logits: `lm_head` in float32 and
+  `tanh(x / cap) * cap`.
+
+Encoder and decoder layers share every weight but not the `layer_scalar` buffers, so each
+pass uses its own transformers layer objects. The vision tower is built by the
+architecture and loaded with the checkpoint, but unused: tandem serves text only (the
+encoder's image-embedding path is never entered). `use_bidirectional_attention == "all"`
+(a bidirectional encoder) is refused: tandem's encoder is causal, so committed tokens keep
+their KV. Positions are sequence indices (position of token i is i), as in `generate()`.
+
+dtype: bfloat16 on CUDA, float32 on the CPU ("auto"); the CPU path has no CUDA-only code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tandem.core.worker.block_diffusion import DenoiseContext
+from tandem.core.worker.diffusion_gemma_attention import (
+    decoder_attention,
+    decoder_window,
+    encoder_attention,
+    encoder_windows,
+    project_qkv,
+)
+from tandem.core.worker.diffusion_gemma_layers import attention_block, feed_forward
+from tandem.core.worker.flat_batch import FlatBatch
+from tandem.core.worker.kv_layer_groups import KVLayerGroup, KVPools, LayerKVShape, group_layers
+
+
+def kv_layer_groups(text_config) -> list[KVLayerGroup]:  # noqa: ANN001
+    """The KV layer groups of a `DiffusionGemmaTextConfig` (sliding and full layers)."""
+    shapes = []
+    for i, layer_type in enumerate(text_config.layer_types):
+        layer = text_config.per_layer_config[i]
+        sliding = text_config.sliding_window if layer_type == "sliding_attention" else None
+        shapes.append(LayerKVShape(layer.num_key_value_heads, layer.head_dim, False, sliding))
+    return group_layers(shapes)
+
+
+def load_diffusion_gemma(model_dir: Path, dtype: torch.dtype, device: torch.device):  # noqa: ANN201
+    """The transformers model, eval mode, on `device` (local files only)."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from tandem.core.worker.model_files import quiet_loading
+
+    with quiet_loading():
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(
+            str(model_dir), dtype=dtype, local_files_only=True
+        )
+    return model.to(device).eval()
+
+
+class DiffusionGemmaModel:
+    """DiffusionGemma as a `BlockDiffusionModel` over `KVPools` (`num_blocks` x `block_size`)."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: torch.dtype,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.device = device
+        self.block_size = block_size
+        self.hf = load_diffusion_gemma(model_dir, dtype, device)
+        config = self.hf.config
+        text = config.text_config
+        if text.use_bidirectional_attention == "all":
+            raise ValueError(
+                "DiffusionGemma with use_bidirectional_attention='all' (a bidirectional "
+                "encoder) is not supported: tandem encodes causally"
+            )
+        self.text_config = text
+        self.canvas_length: int = int(config.canvas_length)
+        self.vocab_size: int = int(text.vocab_size)
+        self.encoder = self.hf.model.encoder.language_model
+        self.decoder = self.hf.model.decoder
+        self.kv_groups = kv_layer_groups(text)
+        self.kv = KVPools(self.kv_groups, num_blocks, block_size, dtype, device)
+
+    def _window(self, layer: int) -> int | None:
+        return self.kv.group_of(layer).sliding_window
+
+    def _rope(
+        self, rotary: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin `[T, D]` per layer type for flat `positions [T]`."""
+        return {
+            kind: tuple(t[0] for t in rotary(hidden[None], positions[None], kind))
+            for kind in set(self.text_config.layer_types)
+        }
+
+    @torch.inference_mode()
+    def encode(self, batch: FlatBatch) -> None:
+        """Causal encoder over `batch`'s tokens; writes every layer's K/V at
+        `batch.slot_mapping`. Request r's tokens are flat `query_start_loc[r] ..
+        query_start_loc[r + 1]` at positions `seq_lens[r] - n .. seq_lens[r] - 1`."""
+        qsl = batch.query_start_loc.tolist()
+        seq_lens = batch.seq_lens.tolist()
+        counts = [qsl[r + 1] - qsl[r] for r in range(len(seq_lens))]
+        starts = [seq - n for seq, n in zip(seq_lens, counts, strict=True)]
+        hidden = self.encoder.embed_tokens(batch.input_ids)
+        rope = self._rope(self.encoder.rotary_emb, hidden, batch.positions)
+        windows = {
+            w: encoder_windows(batch.block_tables, starts, counts, w, self.block_size)
+            for w in {g.sliding_window for g in self.kv_groups}
+        }
+        last = len(self.encoder.layers) - 1
+        for i, layer in enumerate(self.encoder.layers):
+            cos, sin = rope[self.text_config.layer_types[i]]
+            window = self._window(i)
+            k_pool, v_pool = self.kv.per_layer[i]
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                self.kv.write(i, k, v, batch.slot_mapping)  # noqa: B023 (called right away)
+                return encoder_attention(q, k_pool, v_pool, windows[window], qsl, starts, window)  # noqa: B023
+
+            if i == last:  # only its K/V matter: nothing reads the encoder's output
+                _, k, v = project_qkv(layer.self_attn, layer.input_layernorm(hidden), cos, sin)
+                self.kv.write(i, k, v, batch.slot_mapping)
+                break
+            hidden = feed_forward(layer, attention_block(layer, hidden, cos, sin, attend))
+
+    def _decoder_inputs(
+        self, canvas_ids: torch.Tensor, self_cond: torch.Tensor | None, has: torch.Tensor
+    ) -> torch.Tensor:
+        """Embedded canvas plus self-conditioning, `[R, L, hidden]`
+        (M:`DiffusionGemmaDecoderModel.forward`; rows with `has` False get zero soft
+        embeddings, as with `self_conditioning_logits=None`)."""
+        embed = self.decoder.embed_tokens
+        inputs = embed(canvas_ids)
+        if self_cond is None:
+            soft = torch.zeros_like(inputs)
+        else:
+            probs = self_cond.softmax(dim=-1, dtype=torch.float32).to(embed.weight.dtype)
+            soft = torch.matmul(probs, embed.weight) * embed.embed_scale.to(inputs.dtype)
+            soft = torch.where(has[:, None, None], soft, torch.zeros_like(soft))
+        return self.decoder.self_conditioning(inputs, soft)
+
+    @torch.inference_mode()
+    def denoise(
+        self,
+        canvas_ids: torch.Tensor,
+        self_cond: torch.Tensor | None,
+        context: DenoiseContext,
+    ) -> torch.Tensor:
+        """Float32 logits `[R, L, V]` of the decoder over `canvas_ids [R, L]` (see the
+        module docstring); reads the pools, writes nothing."""
+        rows, length = canvas_ids.shape
+        hidden = self._decoder_inputs(canvas_ids, self_cond, context.has_self_cond)
+        hidden = hidden.reshape(rows * length, -1)
+        positions = context.canvas_positions(length).reshape(-1)
+        rope = self._rope(self.decoder.rotary_emb, hidden, positions)
+        context_lens = context.context_lens.tolist()
+        windows = {
+            w: decoder_window(context.block_tables, context_lens, w, self.block_size)
+            for w in {g.sliding_window for g in self.kv_groups}
+        }
+        for i, layer in enumerate(self.decoder.layers):
+            cos, sin = rope[self.text_config.layer_types[i]]
+            k_pool, v_pool = self.kv.per_layer[i]
+            keys = windows[self._window(i)]
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                def canvas(x: torch.Tensor) -> torch.Tensor:
+                    return x.view(rows, length, *x.shape[1:])
+
+                out = decoder_attention(canvas(q), canvas(k), canvas(v), k_pool, v_pool, keys)  # noqa: B023
+                return out.reshape(rows * length, *q.shape[1:])
+
+            hidden = feed_forward(layer, attention_block(layer, hidden, cos, sin, attend))
+        hidden = self.decoder.norm(hidden)
+        logits = self.hf.lm_head(hidden).to(torch.float32)
+        cap = self.hf.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.view(rows, length, -1)

@@ -1,0 +1,107 @@
+"""One DiffusionGemma transformer layer, run on tandem's flat token layout.
+
+The weights are the transformers modules' own (`DiffusionGemmaEncoderTextLayer` /
+`DiffusionGemmaDecoderTextLayer`: their norms, projections, dense MLP, router and experts
+are called or read directly); only the data flow is tandem's: tokens are flattened
+`[T, hidden]` and attention goes through a callback over the paged pools. The arithmetic
+is transformers' (M:`DiffusionGemmaEncoderTextLayer.forward`):
+
+    h   = x + post_attn_norm(attn(input_norm(x)))
+    d   = post_ffw_norm_1(mlp(pre_ffw_norm(h)))                  dense branch
+    m   = post_ffw_norm_2(experts(pre_ffw_norm_2(h), router(h)))  mixture of experts
+    out = (h + post_ffw_norm(d + m)) * layer_scalar
+
+Both branches run in every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tandem.core.worker.diffusion_gemma_attention import project_qkv
+
+#: attention callback: (query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, D]) -> [T, Hq, D]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def route(router: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing exactly as `DiffusionGemmaTextRouter.forward`: RMSNorm without scale,
+    times `scale * hidden_size^-0.5`, linear to `num_experts`, softmax in float32, top-k,
+    renormalised to sum 1, times `per_expert_scale[expert]`.
+
+    Returns weights `[T, k]` (float32) and expert indices `[T, k]`."""
+    normed = router.norm(hidden) * router.scale * router.scalar_root_size
+    probs = F.softmax(router.proj(normed), dim=-1, dtype=torch.float32)
+    weights, index = torch.topk(probs, k=router.config.top_k_experts, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * router.per_expert_scale[index], index
+
+
+def moe_reference(
+    experts: torch.nn.Module, hidden: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    """Mixture of experts, the reference loop (CPU; what transformers' eager path computes).
+
+    `experts.gate_up_proj` is `[E, 2 * I, H]`, `experts.down_proj` `[E, H, I]`. For each
+    expert that some token picked: gather its tokens (`index_select`), `act(gate) * up`,
+    down-project, scale by the routing weight, and `index_add_` back. A token picks an
+    expert at most once, so the sum order within an expert is irrelevant and the result
+    equals transformers' loop bit for bit on the same device and dtype.
+
+    On a GPU this would be fused rather than looped (one host sync per expert here):
+    sort the `T * k` (token, expert) pairs by expert (`argsort` of `index.flatten()`, plus
+    per-expert counts and offsets from a `bincount`), permute the token rows once, run one
+    grouped GEMM for `gate_up_proj` over the E contiguous groups (e.g. `torch._grouped_mm`
+    or a Triton/CUTLASS grouped kernel), the activation, one grouped GEMM for `down_proj`,
+    then multiply by the routing weights and scatter-add back through the inverse
+    permutation: two kernels for all experts, no host sync, CUDA-graph capturable. With
+    few tokens per step (decode-sized canvases) a fused MoE kernel that reads only the hit
+    experts' weights is the memory-bound optimum.
+    """
+    out = torch.zeros_like(hidden)
+    for expert in torch.unique(index).tolist():
+        token, slot = torch.where(index == expert)
+        rows = hidden.index_select(0, token)
+        gate, up = F.linear(rows, experts.gate_up_proj[expert]).chunk(2, dim=-1)
+        mixed = F.linear(experts.act_fn(gate) * up, experts.down_proj[expert])
+        mixed = mixed * weights[token, slot, None]
+        out.index_add_(0, token, mixed.to(out.dtype))
+    return out
+
+
+def feed_forward(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Dense MLP plus MoE branch and the residual, `[T, hidden]` -> `[T, hidden]`."""
+    dense = layer.post_feedforward_layernorm_1(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+    weights, index = route(layer.router, hidden)
+    moe = moe_reference(layer.experts, layer.pre_feedforward_layernorm_2(hidden), weights, index)
+    moe = layer.post_feedforward_layernorm_2(moe)
+    out = hidden + layer.post_feedforward_layernorm(dense + moe)
+    return out * layer.layer_scalar
+
+
+def attention_block(
+    layer: torch.nn.Module,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attend: Attend,
+) -> torch.Tensor:
+    """`x + post_attn_norm(o_proj(attend(q, k, v)))` for `[T, hidden]` tokens."""
+    query, key, value = project_qkv(layer.self_attn, layer.input_layernorm(hidden), cos, sin)
+    attended = attend(query, key, value)
+    out = layer.self_attn.o_proj(attended.reshape(hidden.shape[0], -1))
+    return hidden + layer.post_attention_layernorm(out)
+
+
+def layer_forward(
+    layer: torch.nn.Module,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attend: Attend,
+) -> torch.Tensor:
+    """The whole layer (attention, then dense + MoE feed-forward)."""
+    return feed_forward(layer, attention_block(layer, hidden, cos, sin, attend))

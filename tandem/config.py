@@ -10,7 +10,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from tandem.diffusion_config import DiffusionConfig
 
 
 class ConfigError(ValueError):
@@ -194,6 +204,9 @@ class EngineConfig(_Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     speculative: SpeculativeConfig | None = None
+    #: Block-diffusion models (issue 15; `tandem.diffusion_config`); vLLM's key
+    #: `diffusion_config` is accepted as the same section.
+    diffusion: DiffusionConfig | None = None
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     plugins: list[PluginSpec] | None = None
@@ -216,6 +229,17 @@ class EngineConfig(_Section):
 
     #: The resolved stack object (`resolve.ResolvedStack`), kept for this process.
     _stack: Any = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _diffusion_config_alias(cls, data: Any) -> Any:
+        """vLLM's `diffusion_config` is the `diffusion` section (issue 15, additive)."""
+        if isinstance(data, dict) and "diffusion_config" in data:
+            data = dict(data)
+            if "diffusion" in data:
+                raise ValueError("diffusion_config: give either diffusion or diffusion_config")
+            data["diffusion"] = data.pop("diffusion_config")
+        return data
 
     @field_validator("plugins", "resolved_stack", mode="before")
     @classmethod

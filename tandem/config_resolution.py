@@ -28,6 +28,7 @@ from tandem.core.plugin_manager import (
 from tandem.core.stack import ResolvedStack, StackEntry, keep_stack, stack_entry
 from tandem.core.worker.model_loader import model_loader_for
 from tandem.core.worker.threads import resolve_worker_threads
+from tandem.diffusion_config import DiffusionConfig
 from tandem.plugin_discovery import load_plugin_class, loadable_plugins
 
 logger = logging.getLogger("tandem.config")
@@ -78,12 +79,74 @@ def default_for(role: str) -> str:
     return named[0]
 
 
+# --- issue 15 (diffusion), additive -------------------------------------------------------
+def diffusion_default_for(role: str) -> str:
+    """The installed plugin of `role` declaring `diffusion_default = True`."""
+    named = [
+        n
+        for n, c in loadable_plugins().items()
+        if capability(c, "role") == role and getattr(c, "diffusion_default", False)
+    ]
+    if len(named) != 1:
+        raise PluginConfigError(
+            f"plugins: {len(named)} installed plugins declare themselves the diffusion {role} "
+            f"({', '.join(named) or 'none'}); name the stack's plugins explicitly"
+        )
+    return named[0]
+
+
+def check_diffusion(config: EngineConfig, loader: type, explicit: bool) -> None:
+    """A loader declaring `is_diffusion` makes the model a block-diffusion model: its
+    `diffusion` section must resolve (the loader fills the model's defaults); a `diffusion`
+    section on any other model, and drafts with a diffusion model, are errors naming the key."""
+    if not getattr(loader, "is_diffusion", False):
+        if explicit:
+            raise ConfigError(
+                f"diffusion: model {config.model.model!r} is not a diffusion model; remove "
+                "the diffusion section (diffusion_config)"
+            )
+        return
+    if config.diffusion is None:
+        config.diffusion = DiffusionConfig()
+    try:
+        config.diffusion.check_resolved()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if config.speculative is not None:
+        raise ConfigError(
+            "speculative: drafts do not apply to a diffusion model (its canvas positions "
+            "already travel on the draft path); remove speculative (speculative_config)"
+        )
+    canvas = config.diffusion.canvas_length
+    assert canvas is not None
+    if config.scheduler.max_num_batched_tokens < canvas:
+        raise ConfigError(
+            f"scheduler.max_num_batched_tokens: {config.scheduler.max_num_batched_tokens} "
+            f"cannot hold one canvas of diffusion.canvas_length {canvas}"
+        )
+
+
+def check_diffusion_stack(config: EngineConfig, stack: ResolvedStack) -> None:
+    """A diffusion model needs a scheduler sampling 0 tokens per step (canvases only)."""
+    if config.diffusion is None:
+        return
+    for entry in stack.with_role("scheduler"):
+        if getattr(entry.cls, "num_sampled_tokens_per_step", 1) != 0:
+            raise PluginConfigError(
+                f"{config.source}: plugins: {entry.name} is an autoregressive scheduler; a "
+                f"diffusion model needs {diffusion_default_for('scheduler')!r}"
+            )
+
+
+# -------------------------------------------------------------------------------------------
 def default_stack(config: EngineConfig) -> list[PluginSpec]:
     """The stack used when the config names none: the default scheduler and sampler (the
     plugins declaring `default_for_role`), the grammar plugin declaring
     `structured_output.backend` when the model's loader says it has a tokenizer (or the
     plugin needs none), and the drafter declaring `speculative.method` when speculative
     decoding is configured. The kernel names no plugin: each declares what it answers."""
+    if config.diffusion is not None:  # issue 15: a block-diffusion model
+        return [PluginSpec(name=diffusion_default_for(r)) for r in ("scheduler", "sampler")]
     stack = [PluginSpec(name=default_for("scheduler")), PluginSpec(name=default_for("sampler"))]
     backend = config.structured_output.backend
     grammar = _one_declaring(
@@ -264,7 +327,10 @@ def resolve_config(config: EngineConfig, executor_supports_async: bool = True) -
     config = config.model_copy(deep=True)
     config._stack, config.resolved_stack = None, None
     model = config.model
-    model_loader_for(model.model).resolve_limits(config)
+    loader = model_loader_for(model.model)
+    explicit_diffusion = config.diffusion is not None  # issue 15 (additive)
+    loader.resolve_limits(config)
+    check_diffusion(config, loader, explicit_diffusion)
     if model.max_model_len is None:
         raise ConfigError("model.max_model_len: could not be determined; set it explicitly")
     if config.cache.num_kv_blocks is None:
@@ -284,6 +350,7 @@ def resolve_config(config: EngineConfig, executor_supports_async: bool = True) -
     resolve_worker_threads(config)
     if config._stack is None:
         keep_stack(config, resolve_stack(config))
+    check_diffusion_stack(config, config._stack)  # issue 15 (additive)
     config.attached_plugins = [
         class_path(cls)
         for cls in loadable_plugins().values()

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from tandem.config import EngineConfig
 from tandem.core.request import Request, RequestRejectedError
-from tandem.sampling_params import SamplingParams, validate_for_model
+from tandem.diffusion_config import diffusion_request_problems
+from tandem.sampling_params import SamplingParams, SamplingParamsError, validate_for_model
 
 
 def check_request(request: Request, config: EngineConfig, has_grammar_backend: bool) -> None:
@@ -42,6 +43,10 @@ def check_request(request: Request, config: EngineConfig, has_grammar_backend: b
             f"[0, {vocab_size})"
         )
     validate_for_model(request.sampling_params, vocab_size, config.model.max_logprobs)
+    if config.diffusion is not None:  # issue 15 (additive): fields a diffusion model refuses
+        problems = diffusion_request_problems(request.sampling_params)
+        if problems:
+            raise SamplingParamsError(f"request {rid}: {problems[0]}")
     if request.use_structured_output and not has_grammar_backend:
         raise RequestRejectedError(
             f"request {rid}: structured_outputs: this engine's stack has no grammar backend "

@@ -28,12 +28,14 @@ dtype: bfloat16 on CUDA, float32 on the CPU ("auto"); the CPU path has no CUDA-o
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from tandem.core.worker.block_diffusion import DenoiseContext
 from tandem.core.worker.diffusion_gemma_attention import (
+    KeyWindow,
     decoder_attention,
     decoder_window,
     encoder_attention,
@@ -127,18 +129,32 @@ class DiffusionGemmaModel:
         last = len(self.encoder.layers) - 1
         for i, layer in enumerate(self.encoder.layers):
             cos, sin = rope[self.text_config.layer_types[i]]
-            window = self._window(i)
-            k_pool, v_pool = self.kv.per_layer[i]
-
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                self.kv.write(i, k, v, batch.slot_mapping)  # noqa: B023 (called right away)
-                return encoder_attention(q, k_pool, v_pool, windows[window], qsl, starts, window)  # noqa: B023
-
             if i == last:  # only its K/V matter: nothing reads the encoder's output
                 _, k, v = project_qkv(layer.self_attn, layer.input_layernorm(hidden), cos, sin)
                 self.kv.write(i, k, v, batch.slot_mapping)
                 break
+            window = self._window(i)
+            attend = partial(
+                self._encoder_attend, i, batch.slot_mapping, windows[window], qsl, starts, window
+            )
             hidden = feed_forward(layer, attention_block(layer, hidden, cos, sin, attend))
+
+    def _encoder_attend(
+        self,
+        layer: int,
+        slot_mapping: torch.Tensor,
+        keys: KeyWindow,
+        token_starts: list[int],
+        query_start: list[int],
+        window: int | None,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write this layer's K/V of the step's tokens, then attend causally over the pools."""
+        self.kv.write(layer, key, value, slot_mapping)
+        k_pool, v_pool = self.kv.per_layer[layer]
+        return encoder_attention(query, k_pool, v_pool, keys, token_starts, query_start, window)
 
     def _decoder_inputs(
         self, canvas_ids: torch.Tensor, self_cond: torch.Tensor | None, has: torch.Tensor
@@ -177,16 +193,7 @@ class DiffusionGemmaModel:
         }
         for i, layer in enumerate(self.decoder.layers):
             cos, sin = rope[self.text_config.layer_types[i]]
-            k_pool, v_pool = self.kv.per_layer[i]
-            keys = windows[self._window(i)]
-
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                def canvas(x: torch.Tensor) -> torch.Tensor:
-                    return x.view(rows, length, *x.shape[1:])
-
-                out = decoder_attention(canvas(q), canvas(k), canvas(v), k_pool, v_pool, keys)  # noqa: B023
-                return out.reshape(rows * length, *q.shape[1:])
-
+            attend = partial(self._decoder_attend, i, windows[self._window(i)], rows)
             hidden = feed_forward(layer, attention_block(layer, hidden, cos, sin, attend))
         hidden = self.decoder.norm(hidden)
         logits = self.hf.lm_head(hidden).to(torch.float32)
@@ -194,3 +201,28 @@ class DiffusionGemmaModel:
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.view(rows, length, -1)
+
+    def _decoder_attend(
+        self,
+        layer: int,
+        keys: KeyWindow,
+        rows: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> torch.Tensor:
+        """Canvas attention of flat `[R * L, H, D]` tensors over this layer's pools."""
+        k_pool, v_pool = self.kv.per_layer[layer]
+
+        def canvas(x: torch.Tensor) -> torch.Tensor:
+            return x.view(rows, -1, *x.shape[1:])
+
+        out = decoder_attention(canvas(query), canvas(key), canvas(value), k_pool, v_pool, keys)
+        return out.reshape(query.shape)
+
+
+def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:  # noqa: ANN001
+    """KV bytes one token takes in every layer of a `DiffusionGemmaConfig` (sum over the
+    layer groups): what a KV memory budget divides, instead of `hf_model.kv_bytes_per_token`
+    (which assumes one shape for all layers)."""
+    return sum(group.bytes_per_token(dtype) for group in kv_layer_groups(hf_config.text_config))

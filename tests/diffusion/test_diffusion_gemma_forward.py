@@ -25,6 +25,7 @@ from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, 
 
 from tandem.core.worker.block_diffusion import DenoiseContext, is_block_diffusion
 from tandem.core.worker.diffusion_gemma import DiffusionGemmaModel
+from tandem.core.worker.diffusion_gemma_layers import moe_reference, route
 from tandem.core.worker.flat_batch import FlatBatch
 from tandem.core.worker.kv_layer_groups import KVPools, bytes_per_block, single_group
 
@@ -68,13 +69,22 @@ def _perturb(model: DiffusionGemmaForBlockDiffusion) -> None:
                 tensor.add_(0.3 * torch.randn_like(tensor))
 
 
+def tiny_model(text: dict, canvas: int) -> DiffusionGemmaForBlockDiffusion:
+    """A random model with weights 5x transformers' default scale (logits of order 1-10,
+    so a wrong mask or branch shows far above the tolerance), ones perturbed."""
+    torch.manual_seed(0)
+    config = DiffusionGemmaConfig(
+        text_config=text, vision_config=VISION, canvas_length=canvas, initializer_range=0.1
+    )
+    model = DiffusionGemmaForBlockDiffusion(config).eval()
+    _perturb(model)
+    return model
+
+
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     text, canvas = CONFIGS[request.param]
-    torch.manual_seed(0)
-    config = DiffusionGemmaConfig(text_config=text, vision_config=VISION, canvas_length=canvas)
-    model = DiffusionGemmaForBlockDiffusion(config).eval()
-    _perturb(model)
+    model = tiny_model(text, canvas)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return path
@@ -322,6 +332,44 @@ def test_single_group_and_shared_kv_pools() -> None:
     pools = KVPools([shared], 2, BLOCK, torch.float32, torch.device("cpu"))
     k, v = pools.per_layer[0]
     assert k is v and pools.nbytes() == 2 * BLOCK * 4 * 4
+
+
+def test_moe_reference_equals_transformers_router_and_experts(checkpoint: Path) -> None:
+    hf = Paged(checkpoint, num_blocks=1).model.hf
+    for layer in [*hf.model.decoder.layers, *hf.model.encoder.language_model.layers]:
+        hidden = 3.0 * torch.randn(37, hf.config.text_config.hidden_size)
+        _, ref_weights, ref_index = layer.router(hidden)
+        weights, index = route(layer.router, hidden)
+        assert torch.equal(weights, ref_weights) and torch.equal(index, ref_index)
+        x = layer.pre_feedforward_layernorm_2(hidden)
+        with torch.no_grad():
+            assert torch.equal(
+                moe_reference(layer.experts, x, weights, index), layer.experts(x, index, weights)
+            )
+
+
+def test_bfloat16_runs_the_same_path(checkpoint: Path) -> None:
+    """bf16 (the CUDA dtype) on the CPU: bf16 pools, float32 logits, finite, near the fp32
+    reference on average. Not a parity check: a 1-2 ulp bf16 difference in a layer's
+    hidden state can flip a top-2 expert choice, which moves that token's logits by O(1)."""
+    paged = Paged(checkpoint)
+    paged.model = DiffusionGemmaModel(checkpoint, torch.bfloat16, 96, BLOCK, torch.device("cpu"))
+    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in paged.model.kv.per_layer)
+    vocab, length = paged.model.vocab_size, paged.model.canvas_length
+    work = _workload(vocab, length, seed=11)
+    reqs = [f"r{i}" for i in range(len(work))]
+    _encode_all(paged, reqs, work, chunk=6)
+    canvas, sc, has = _step_inputs(len(reqs), length, vocab, seed=4)
+    got = paged.denoise(reqs, canvas, sc.to(torch.bfloat16), has)
+    assert got.dtype == torch.float32 and got.isfinite().all()
+    fp32 = Paged(checkpoint).model.hf
+    refs = [
+        reference_logits(
+            fp32, p, c, canvas[r], sc.to(torch.bfloat16)[r].float() if has[r] else None
+        )
+        for r, (p, c) in enumerate(work)
+    ]
+    assert (got - torch.stack(refs)).abs().mean().item() < 0.1
 
 
 def test_bidirectional_encoder_is_refused(tmp_path: Path) -> None:

@@ -1,16 +1,10 @@
 """Issue 15 parity (a): DiffusionGemma's canvas logits on tandem's paged KV equal transformers'.
 
-Two tiny random DiffusionGemma checkpoints (saved with `save_pretrained`, loaded back from
-the directory: nothing downloads): `tf_test`, transformers' own test shape (2 layers, a
-sliding window larger than every context, `per_layer_config`, vision hidden 16 x 2 layers,
-4 experts top-2, L = 16), and `window`, 4 layers with a sliding window of 5 (contexts far
-longer than it), `global_head_dim` 16 with one global KV head, L = 4.
-
-The reference is the model's own code path as `generate()` drives it
-(G:`_prepare_encoder_inputs` then `model.encoder(...)` for the prompt and for each committed
-canvas, at the positions `generate` gives them; G:`_prepare_denoiser_inputs`'s decoder mask
-and `_denoising_step`'s `self(decoder_input_ids=..., self_conditioning_logits=...,
-decoder_attention_mask=..., cache=..., decoder_position_ids=...)`), one request at a time.
+Two tiny random DiffusionGemma checkpoints (`tandem.testing.tiny_diffusion_gemma`: saved
+with `save_pretrained`, loaded back from the directory, nothing downloads): `tf_test`,
+transformers' own test shape (a sliding window larger than every context), and `window`
+(sliding window 5, contexts far longer than it). The reference is the model's own code path
+as `generate()` drives it (`reference_logits`), one request at a time.
 tandem encodes the same contexts through its paged pools (in arbitrary chunks, batched with
 other requests) and denoises every canvas in one batched call. fp32, max abs diff <= 1e-4.
 """
@@ -21,180 +15,31 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
+from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
-from tandem.core.worker.block_diffusion import DenoiseContext, is_block_diffusion
+from tandem.core.worker.block_diffusion import is_block_diffusion
 from tandem.core.worker.diffusion_gemma import DiffusionGemmaModel
 from tandem.core.worker.diffusion_gemma_layers import moe_reference, route
-from tandem.core.worker.flat_batch import FlatBatch
 from tandem.core.worker.kv_layer_groups import KVPools, bytes_per_block, single_group
+from tandem.testing.tiny_diffusion_gemma import (
+    BLOCK,
+    DIFFUSION_GEMMA_CONFIGS,
+    VISION,
+    PagedContexts,
+    reference_logits,
+    tiny_diffusion_gemma,
+)
 
-VISION = {
-    "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 1, "intermediate_size": 37, "patch_size": 5, "image_size": 20,
-}  # fmt: skip
-MOE = {"num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8}
-CONFIGS = {
-    "tf_test": (
-        {
-            "vocab_size": 99, "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
-            "layer_types": ["sliding_attention", "full_attention"],
-            "per_layer_config": {1: {"head_dim": 16, "num_key_value_heads": 2}},
-            "use_bidirectional_attention": "vision", "pad_token_id": 0, "bos_token_id": 1,
-            "eos_token_id": 2, **MOE,
-        },
-        16,
-    ),
-    "window": (
-        {
-            "vocab_size": 64, "hidden_size": 32, "intermediate_size": 24, "num_hidden_layers": 4,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-            "global_head_dim": 16, "num_global_key_value_heads": 1, "sliding_window": 5,
-            "layer_types": ["sliding_attention", "full_attention"] * 2, **MOE,
-        },
-        4,
-    ),
-}  # fmt: skip
-BLOCK = 4
 TOL = 1e-4
 
 
-def _perturb(model: DiffusionGemmaForBlockDiffusion) -> None:
-    """Move every all-ones parameter and buffer (norm weights, router scales, layer
-    scalars: encoder's and decoder's differ) off 1, so the test sees each of them."""
-    with torch.no_grad():
-        for _, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if tensor.is_floating_point() and tensor.numel() and bool((tensor == 1).all()):
-                tensor.add_(0.3 * torch.randn_like(tensor))
-
-
-def tiny_model(text: dict, canvas: int) -> DiffusionGemmaForBlockDiffusion:
-    """A random model with weights 5x transformers' default scale (logits of order 1-10,
-    so a wrong mask or branch shows far above the tolerance), ones perturbed."""
-    torch.manual_seed(0)
-    config = DiffusionGemmaConfig(
-        text_config=text, vision_config=VISION, canvas_length=canvas, initializer_range=0.1
-    )
-    model = DiffusionGemmaForBlockDiffusion(config).eval()
-    _perturb(model)
-    return model
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=sorted(DIFFUSION_GEMMA_CONFIGS))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    text, canvas = CONFIGS[request.param]
-    model = tiny_model(text, canvas)
+    text, canvas = DIFFUSION_GEMMA_CONFIGS[request.param]
+    model = tiny_diffusion_gemma(text, canvas)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return path
-
-
-class Paged:
-    """tandem's side: the model, a trivial block allocator and each request's table."""
-
-    def __init__(self, path: Path, num_blocks: int = 96) -> None:
-        cpu = torch.device("cpu")
-        self.model = DiffusionGemmaModel(path, torch.float32, num_blocks, BLOCK, cpu)
-        for k, v in self.model.kv.per_layer:  # unwritten slots must never reach a logit
-            k.fill_(float("nan"))
-            v.fill_(float("nan"))
-        self.free = list(range(num_blocks - 1, -1, -1))
-        self.tables: dict[str, list[int]] = {}
-        self.lens: dict[str, int] = {}
-
-    def grow(self, req: str, new_len: int) -> None:
-        table = self.tables.setdefault(req, [])
-        while len(table) * BLOCK < new_len:
-            table.append(self.free.pop())
-
-    def encode(self, chunks: list[tuple[str, list[int]]]) -> None:
-        """One `encode` call: each request's next tokens, appended to its context."""
-        ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
-        for req, tokens in chunks:
-            start = self.lens.get(req, 0)
-            self.grow(req, start + len(tokens))
-            table = self.tables[req]
-            for p in range(start, start + len(tokens)):
-                slots.append(table[p // BLOCK] * BLOCK + p % BLOCK)
-            ids += tokens
-            pos += range(start, start + len(tokens))
-            qsl.append(len(ids))
-            seq_lens.append(start + len(tokens))
-            self.lens[req] = start + len(tokens)
-        i64 = torch.int64
-        self.model.encode(
-            FlatBatch(
-                req_ids=[r for r, _ in chunks], input_ids=torch.tensor(ids, dtype=i64),
-                positions=torch.tensor(pos, dtype=i64), slot_mapping=torch.tensor(slots, dtype=i64),
-                query_start_loc=torch.tensor(qsl, dtype=i64),
-                seq_lens=torch.tensor(seq_lens, dtype=i64),
-                block_tables=self.block_tables([r for r, _ in chunks]),
-                logits_indices=torch.zeros(0, dtype=i64), sample_req_indices=[],
-                num_draft_tokens=[], draft_token_ids=[], block_size=BLOCK,
-            )
-        )  # fmt: skip
-
-    def block_tables(self, reqs: list[str]) -> torch.Tensor:
-        width = max(len(self.tables.get(r, [])) for r in reqs) or 1
-        rows = [self.tables.get(r, []) + [0] * (width - len(self.tables.get(r, []))) for r in reqs]
-        return torch.tensor(rows, dtype=torch.int64)
-
-    def denoise(
-        self, reqs: list[str], canvas: torch.Tensor, sc: torch.Tensor | None, has: list[bool]
-    ) -> torch.Tensor:
-        context = DenoiseContext(
-            req_ids=reqs,
-            block_tables=self.block_tables(reqs),
-            context_lens=torch.tensor([self.lens.get(r, 0) for r in reqs], dtype=torch.int64),
-            has_self_cond=torch.tensor(has),
-            block_size=BLOCK,
-        )
-        return self.model.denoise(canvas, sc, context)
-
-    def release(self, req: str) -> None:
-        self.free.extend(self.tables.pop(req))
-        self.lens.pop(req)
-
-
-def reference_logits(
-    hf: DiffusionGemmaForBlockDiffusion,
-    prompt: list[int],
-    canvases: list[list[int]],
-    canvas: torch.Tensor,
-    sc: torch.Tensor | None,
-) -> torch.Tensor:
-    """transformers: encode `prompt`, then each committed canvas, as `generate()` does; then
-    the decoder step on `canvas [L]` with self-conditioning `sc [L, V]` or None."""
-    length = hf.config.canvas_length
-    cache = DynamicCache(config=hf.config.get_text_config(decoder=True))
-    input_ids = torch.tensor([prompt])
-    positions = torch.arange(0, len(prompt), dtype=torch.int32)[None]
-    for k in range(len(canvases) + 1):
-        if k > 0:
-            input_ids = torch.cat([input_ids, torch.tensor([canvases[k - 1]])], dim=1)
-            start = input_ids.shape[1] - length
-            positions = torch.arange(start, start + length, dtype=torch.int32)[None]
-        mask = torch.ones(input_ids.shape, dtype=torch.bool)
-        new_ids, mask_map = hf._prepare_encoder_inputs(
-            input_ids=input_ids, attention_mask=mask, encoder_position_ids=positions,
-            cache=cache, is_prefill=k == 0, canvas_length=length, batch_size=1,
-        )  # fmt: skip
-        cache = hf.model.encoder(
-            input_ids=new_ids, attention_mask=mask_map, cache=cache, position_ids=positions
-        ).cache
-    cur = input_ids.shape[1]
-    decoder_mask = torch.ones((1, cur + length), dtype=torch.bool)
-    mask_mapping = hf.model.decoder.create_diffusion_decoder_attention_mask(
-        config=hf.config, inputs_embeds=canvas[None, :, None], cache=cache,
-        decoder_attention_mask=decoder_mask,
-    )  # fmt: skip
-    out = hf(
-        decoder_input_ids=canvas[None], self_conditioning_logits=None if sc is None else sc[None],
-        decoder_attention_mask=mask_mapping, cache=cache,
-        decoder_position_ids=torch.arange(cur, cur + length, dtype=torch.int32)[None],
-    )  # fmt: skip
-    return out.logits[0]
 
 
 def _workload(vocab: int, length: int, seed: int) -> list[tuple[list[int], list[list[int]]]]:
@@ -216,7 +61,7 @@ def _step_inputs(rows: int, length: int, vocab: int, seed: int) -> tuple:
     return canvas, sc, has
 
 
-def _check(paged: Paged, hf, reqs, work, seed: int) -> torch.Tensor:  # noqa: ANN001
+def _check(paged: PagedContexts, hf, reqs, work, seed: int) -> torch.Tensor:  # noqa: ANN001
     """Denoise every request in one batch; compare each row with the reference."""
     vocab, length = paged.model.vocab_size, paged.model.canvas_length
     canvas, sc, has = _step_inputs(len(reqs), length, vocab, seed)
@@ -237,7 +82,7 @@ def _check(paged: Paged, hf, reqs, work, seed: int) -> torch.Tensor:  # noqa: AN
     return got
 
 
-def _encode_all(paged: Paged, reqs: list[str], work, chunk: int) -> None:  # noqa: ANN001
+def _encode_all(paged: PagedContexts, reqs: list[str], work, chunk: int) -> None:  # noqa: ANN001
     """Prompts in `chunk`-token pieces, all requests batched per call, then canvases one per
     call (as commits arrive)."""
     prompts = {r: list(p) for r, (p, _) in zip(reqs, work, strict=True)}
@@ -251,14 +96,17 @@ def _encode_all(paged: Paged, reqs: list[str], work, chunk: int) -> None:  # noq
 
 
 def test_diffusion_gemma_is_a_block_diffusion_model(checkpoint: Path) -> None:
-    paged = Paged(checkpoint)
+    paged = PagedContexts(checkpoint)
     assert is_block_diffusion(paged.model)
-    assert paged.model.canvas_length == CONFIGS[checkpoint.name.rstrip("0123456789")][1]
+    assert (
+        paged.model.canvas_length
+        == DIFFUSION_GEMMA_CONFIGS[checkpoint.name.rstrip("0123456789")][1]
+    )
 
 
 @pytest.mark.parametrize("chunk", [5, 64])
 def test_batched_canvas_logits_equal_transformers(checkpoint: Path, chunk: int) -> None:
-    paged = Paged(checkpoint)
+    paged = PagedContexts(checkpoint)
     hf = paged.model.hf
     work = _workload(paged.model.vocab_size, paged.model.canvas_length, seed=chunk)
     reqs = [f"r{i}" for i in range(len(work))]
@@ -268,7 +116,7 @@ def test_batched_canvas_logits_equal_transformers(checkpoint: Path, chunk: int) 
 
 
 def test_prefix_cache_hit_and_preemption_recompute(checkpoint: Path) -> None:
-    paged = Paged(checkpoint)
+    paged = PagedContexts(checkpoint)
     hf = paged.model.hf
     vocab, length = paged.model.vocab_size, paged.model.canvas_length
     (prompt, canvases), (other, _) = _workload(vocab, length, seed=7)[1:3]
@@ -292,7 +140,7 @@ def test_prefix_cache_hit_and_preemption_recompute(checkpoint: Path) -> None:
 
 
 def test_kv_pools_are_per_layer_group_with_one_slot_mapping(checkpoint: Path) -> None:
-    model = Paged(checkpoint, num_blocks=8).model
+    model = PagedContexts(checkpoint, num_blocks=8).model
     text = model.text_config
     groups = model.kv_groups
     if checkpoint.name.startswith("window"):
@@ -335,7 +183,7 @@ def test_single_group_and_shared_kv_pools() -> None:
 
 
 def test_moe_reference_equals_transformers_router_and_experts(checkpoint: Path) -> None:
-    hf = Paged(checkpoint, num_blocks=1).model.hf
+    hf = PagedContexts(checkpoint, num_blocks=1).model.hf
     for layer in [*hf.model.decoder.layers, *hf.model.encoder.language_model.layers]:
         hidden = 3.0 * torch.randn(37, hf.config.text_config.hidden_size)
         _, ref_weights, ref_index = layer.router(hidden)
@@ -352,8 +200,7 @@ def test_bfloat16_runs_the_same_path(checkpoint: Path) -> None:
     """bf16 (the CUDA dtype) on the CPU: bf16 pools, float32 logits, finite, near the fp32
     reference on average. Not a parity check: a 1-2 ulp bf16 difference in a layer's
     hidden state can flip a top-2 expert choice, which moves that token's logits by O(1)."""
-    paged = Paged(checkpoint)
-    paged.model = DiffusionGemmaModel(checkpoint, torch.bfloat16, 96, BLOCK, torch.device("cpu"))
+    paged = PagedContexts(checkpoint, dtype=torch.bfloat16)
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in paged.model.kv.per_layer)
     vocab, length = paged.model.vocab_size, paged.model.canvas_length
     work = _workload(vocab, length, seed=11)
@@ -362,7 +209,7 @@ def test_bfloat16_runs_the_same_path(checkpoint: Path) -> None:
     canvas, sc, has = _step_inputs(len(reqs), length, vocab, seed=4)
     got = paged.denoise(reqs, canvas, sc.to(torch.bfloat16), has)
     assert got.dtype == torch.float32 and got.isfinite().all()
-    fp32 = Paged(checkpoint).model.hf
+    fp32 = PagedContexts(checkpoint).model.hf
     refs = [
         reference_logits(
             fp32, p, c, canvas[r], sc.to(torch.bfloat16)[r].float() if has[r] else None
@@ -373,7 +220,7 @@ def test_bfloat16_runs_the_same_path(checkpoint: Path) -> None:
 
 
 def test_bidirectional_encoder_is_refused(tmp_path: Path) -> None:
-    text = {**CONFIGS["window"][0], "use_bidirectional_attention": "all"}
+    text = {**DIFFUSION_GEMMA_CONFIGS["window"][0], "use_bidirectional_attention": "all"}
     config = DiffusionGemmaConfig(text_config=text, vision_config=VISION, canvas_length=4)
     DiffusionGemmaForBlockDiffusion(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="use_bidirectional_attention"):

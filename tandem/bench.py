@@ -161,12 +161,16 @@ def run_tandem(
     tracing = tracing_of(llm.engine)  # on: trace_hooks=True above
     hooks = tracing.summary(llm.engine.num_steps) if tracing is not None else {}
     spec_metrics = llm.spec_decode_metrics()  # includes the warm-up's few steps
+    #: Diffusion runs (issue 15): committed tokens per step, denoising steps per canvas,
+    #: tokens per forward (`plugins/diffusion_scheduler.DiffusionStats`); None otherwise.
+    diffusion = llm.engine.stats().get("diffusion")
     memory = _max_rss_mib()
     kv_pool_tokens = (llm.config.cache.num_kv_blocks or 0) * llm.config.cache.block_size
     llm.shutdown()
     return {
         "hook_times": hooks,  # per "plugin.hook": calls, total_ms, ms_per_step
         "spec_decode": spec_metrics,
+        "diffusion": diffusion,
         "output_tokens": out_tokens,
         "elapsed_s": elapsed,
         "output_tokens_per_s": out_tokens / elapsed,

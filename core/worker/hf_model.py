@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.core.worker.cpu_features import warn_if_bf16_emulated
 from tandem.core.worker.cpu_kernels import PagedDecodeKernel
 from tandem.core.worker.flat_batch import FlatBatch
 from tandem.core.worker.fused_decoder import FusedDecoder
@@ -21,8 +22,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on CUDA and float32 on CPU (tandem's CPU fast paths, oneDNN
+    prepacked weights and the compiled decode kernel, are float32). An explicit bfloat16 on a
+    CPU without bf16 units (AVX512-BF16 or AMX) runs, emulated, and says so once."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "bfloat16" and device.type == "cpu":
+        warn_if_bf16_emulated()
     return DTYPES[name]
 
 

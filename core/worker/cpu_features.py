@@ -1,0 +1,47 @@
+"""What this CPU's instruction set offers the dtypes tandem runs in.
+
+bf16 matrix units: AVX512-BF16 (`avx512_bf16`) or AMX (`amx_bf16`), read from the kernel's
+CPU flags. Without them torch computes bfloat16 by converting to float32 and back, which on
+CPU is slower than float32 itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+logger = logging.getLogger("tandem.worker")
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The flags of the first processor in `/proc/cpuinfo` (empty where there is none)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags") and ":" in line:
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def has_bf16_units(flags: frozenset[str] | None = None) -> bool:
+    """True when the CPU computes bfloat16 natively (AVX512-BF16 or AMX)."""
+    return any(f in (cpu_flags() if flags is None else flags) for f in BF16_FLAGS)
+
+
+@functools.cache
+def warn_if_bf16_emulated() -> bool:
+    """Log once per process that bfloat16 is emulated here; True when it is."""
+    if has_bf16_units():
+        return False
+    logger.warning(
+        "model.dtype: bfloat16 on this CPU (no %s) is emulated and slower than float32; "
+        "dtype: auto or float32 runs faster here",
+        " / ".join(BF16_FLAGS),
+    )
+    return True

@@ -11,7 +11,10 @@ Conformance (see `tandem.testing.conformance`)::
 
 adds one item per (check, mode) for each scheduler plugin NAME (an entry point of the
 group `tandem.plugins`, or a class by its import path `module:Class`), with ids like
-`tandem-conformance[NAME]::greedy-parity[async]`.
+`tandem-conformance[NAME]::greedy-parity[async]`. A diffusion scheduler runs on the
+scripted diffusion model (`conformance/kinds.py`); what does not apply to it is skipped
+with the reason "n/a: ..." (`-rs` prints it): the checks' items, plus one item
+`RULE[n/a]` per rule inside the checks that does not apply.
 It works in any directory, even an empty one (the items do not come from files; tests
 collected from files run as usual beside them). `--tandem-conformance-options` is a JSON
 object of plugin options given to every NAME. `-k` selects items as usual, e.g.
@@ -119,9 +122,12 @@ class ConformanceItem(pytest.Item):
         self.options = options
 
     def runtest(self) -> None:
-        from tandem.testing.conformance import check_conformance
+        from tandem.testing.conformance import CheckNotApplicable, check_conformance
 
-        check_conformance(self.plugin, self.check, self.mode, self.options)  # type: ignore[arg-type]
+        try:
+            check_conformance(self.plugin, self.check, self.mode, self.options)  # type: ignore[arg-type]
+        except CheckNotApplicable as exc:
+            pytest.skip(f"n/a: {exc}")
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
         from tandem.testing.conformance import ConformanceError
@@ -134,6 +140,21 @@ class ConformanceItem(pytest.Item):
         return self.path, None, f"tandem conformance: {self.plugin} {self.check} [{self.mode}]"
 
 
+class NotApplicableItem(pytest.Item):
+    """A rule of the checks that does not apply to the plugin's kind: always skipped with
+    "n/a: <reason>", so `-rs` lists it (nothing is skipped silently)."""
+
+    def __init__(self, *, reason: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.reason = reason
+
+    def runtest(self) -> None:
+        pytest.skip(f"n/a: {self.reason}")
+
+    def reportinfo(self) -> tuple[Any, int | None, str]:
+        return self.path, None, f"tandem conformance: rule {self.name}"
+
+
 class ConformanceSuite(pytest.Collector):
     """The conformance items of one plugin (not collected from a file)."""
 
@@ -143,9 +164,9 @@ class ConformanceSuite(pytest.Collector):
         self.options = options
 
     def collect(self) -> list[pytest.Item]:
-        from tandem.testing.conformance import CHECKS, MODES
+        from tandem.testing.conformance import CHECKS, MODES, NOT_APPLICABLE, scheduler_kind
 
-        return [
+        items: list[pytest.Item] = [
             ConformanceItem.from_parent(
                 self,
                 name=f"{check}[{mode}]",
@@ -157,6 +178,13 @@ class ConformanceSuite(pytest.Collector):
             for check in CHECKS
             for mode in MODES
         ]
+        rules = NOT_APPLICABLE[scheduler_kind(self.plugin)]
+        items += [
+            NotApplicableItem.from_parent(self, name=f"{rule}[n/a]", reason=reason)
+            for rule, reason in rules.items()
+            if rule not in CHECKS
+        ]
+        return items
 
 
 class GrammarConformanceItem(pytest.Item):

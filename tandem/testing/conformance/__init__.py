@@ -91,8 +91,21 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from tandem.plugin_discovery import discover_plugins, register_plugin, unregister_plugin
+from tandem.testing.conformance.kinds import (
+    DIFFUSION_CANVAS,
+    NOT_APPLICABLE,
+    Kind,
+    adapt_workload,
+    not_applicable,
+    scheduler_kind,
+)
 from tandem.testing.conformance.ledger import LedgerStep, format_ledger_trace, ledger_trace
-from tandem.testing.conformance.report import CheckResult, ConformanceError, ConformanceReport
+from tandem.testing.conformance.report import (
+    CheckNotApplicable,
+    CheckResult,
+    ConformanceError,
+    ConformanceReport,
+)
 from tandem.testing.conformance.run import RunResult, reference_outputs, run_workload, stack_for
 from tandem.testing.conformance.scenarios import _CHECKS_BY_NAME, CHECK_LIST, CHECKS, Check
 from tandem.testing.conformance.workloads import (
@@ -112,29 +125,36 @@ from tandem.testing.conformance.workloads import (
 __all__ = [
     "CHECKS",
     "CHECK_LIST",
+    "DIFFUSION_CANVAS",
     "EOS",
     "MODES",
+    "NOT_APPLICABLE",
     "REFERENCE_SCHEDULER",
     "SEEDED_TEMPERATURE",
     "VOCAB",
     "Check",
+    "CheckNotApplicable",
     "CheckResult",
     "ConformanceError",
     "ConformanceReport",
+    "Kind",
     "LedgerStep",
     "Mode",
     "Outputs",
     "RequestSpec",
     "RunResult",
     "Workload",
+    "adapt_workload",
     "check_conformance",
     "check_wait_bound_regime",
     "format_ledger_trace",
     "ledger_trace",
+    "not_applicable",
     "reference_outputs",
     "registered_plugins",
     "run_conformance",
     "run_workload",
+    "scheduler_kind",
     "stack_for",
     "wait_bound",
 ]
@@ -180,8 +200,10 @@ def check_conformance(
     mode: Mode,
     options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run one check in one mode; raise `ConformanceError` on a violation, else return the
-    run's details (steps, preemptions, aborts, the largest wait/bound ratio)."""
+    """Run one check in one mode; raise `ConformanceError` on a violation and
+    `CheckNotApplicable` (the reason) when the check does not apply to the plugin's kind,
+    else return the run's details (steps, preemptions, aborts, the largest wait/bound
+    ratio)."""
     if check not in _CHECKS_BY_NAME:
         raise ValueError(f"unknown check {check!r}; checks: {', '.join(CHECKS)}")
     if mode not in MODES:
@@ -195,9 +217,13 @@ def check_conformance(
         "max_wait_ratio": 0.0,
     }
     with _plugin_name(plugin) as name:
+        kind = scheduler_kind(name)
+        reason = not_applicable(kind, check)
+        if reason is not None:
+            raise CheckNotApplicable(reason)
         for workload in _CHECKS_BY_NAME[check].workloads:
             seeded = None
-            if any(not s.greedy for s in workload.requests):
+            if kind == "autoregressive" and any(not s.greedy for s in workload.requests):
                 seeded = reference_outputs(workload, mode)
             result = run_workload(name, workload, mode, options, check, seeded)
             details["steps"] += result.steps
@@ -220,20 +246,25 @@ def run_conformance(
     failed check: see `ConformanceReport.passed` / `raise_for_failures()`.
 
     `plugin` may also be a plugin class (for tests): it is registered by class under
-    `test-<kebab-case class name>` for the run.
+    `test-<kebab-case class name>` for the run. The report lists what does not apply to
+    the plugin's kind (`kinds.py`): checks as "N/A" results, rules by name.
     """
     selected = list(checks) if checks is not None else list(CHECKS)
     results: list[CheckResult] = []
     with _plugin_name(plugin) as name:
+        kind = scheduler_kind(name)
         for check in selected:
             for mode in modes:
-                start = time.perf_counter()
-                try:
-                    details = check_conformance(name, check, mode, options)
-                    error = None
-                except ConformanceError as exc:
-                    details, error = {}, exc
-                results.append(
-                    CheckResult(check, mode, error, time.perf_counter() - start, details)
-                )
-    return ConformanceReport(name, results)
+                results.append(_run_one(name, check, mode, options))
+    return ConformanceReport(name, results, kind, dict(NOT_APPLICABLE[kind]))
+
+
+def _run_one(name: str, check: str, mode: Mode, options: Mapping[str, Any] | None) -> CheckResult:
+    start = time.perf_counter()
+    try:
+        details = check_conformance(name, check, mode, options)
+    except ConformanceError as exc:
+        return CheckResult(check, mode, exc, time.perf_counter() - start)
+    except CheckNotApplicable as exc:
+        return CheckResult(check, mode, None, 0.0, not_applicable=str(exc))
+    return CheckResult(check, mode, None, time.perf_counter() - start, details)

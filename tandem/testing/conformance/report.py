@@ -50,16 +50,24 @@ class ConformanceError(AssertionError):
         super().__init__("\n".join(lines))
 
 
+class CheckNotApplicable(Exception):
+    """A check (or rule) that does not apply to the scheduler's kind; the message is the
+    reason (`kinds.NOT_APPLICABLE`)."""
+
+
 @dataclass
 class CheckResult:
     """One (check, mode) of a conformance run: passed or the error, and run details
-    (steps, preemptions, aborts, the largest wait/bound ratio, ...)."""
+    (steps, preemptions, aborts, the largest wait/bound ratio, ...). `not_applicable` is
+    the reason when the check does not apply to the scheduler's kind (not run; it counts
+    as passed and is reported "N/A")."""
 
     check: str
     mode: str
     error: ConformanceError | None
     seconds: float
     details: dict[str, Any] = field(default_factory=dict)
+    not_applicable: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -72,10 +80,19 @@ class ConformanceReport:
 
     plugin: str
     results: list[CheckResult]
+    #: The scheduler's kind (`kinds.scheduler_kind`) and, by name, every check or rule
+    #: that does not apply to it, with the reason.
+    kind: str = "autoregressive"
+    not_applicable: dict[str, str] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
         return all(r.passed for r in self.results)
+
+    @property
+    def applied(self) -> list[CheckResult]:
+        """The results of the checks that ran (not n/a)."""
+        return [r for r in self.results if r.not_applicable is None]
 
     @property
     def failures(self) -> list[CheckResult]:
@@ -101,10 +118,18 @@ class ConformanceReport:
         raise first
 
     def summary(self) -> str:
-        """One line per (check, mode): PASS/FAIL, seconds, and the failed rule."""
-        lines = [f"tandem conformance of {self.plugin!r}:"]
+        """One line per (check, mode): PASS/FAIL/N/A, seconds, and the failed rule or the
+        reason it does not apply; then one line per rule that does not apply."""
+        lines = [f"tandem conformance of {self.plugin!r} ({self.kind} scheduler):"]
+        checks = {r.check for r in self.results}
         for r in self.results:
+            if r.not_applicable is not None:
+                lines.append(f"  N/A  {r.check:<18} [{r.mode:<5}]  n/a: {r.not_applicable}")
+                continue
             status = "PASS" if r.passed else "FAIL"
             why = f"  {r.error.invariant}" if r.error is not None else ""
             lines.append(f"  {status} {r.check:<18} [{r.mode:<5}] {r.seconds:6.2f}s{why}")
+        for name, reason in self.not_applicable.items():
+            if name not in checks:
+                lines.append(f"  N/A  rule {name}: n/a: {reason}")
         return "\n".join(lines)

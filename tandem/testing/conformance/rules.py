@@ -12,6 +12,7 @@ from tandem.plugins.invariant_checker import InvariantViolation, check_invariant
 from tandem.testing.conformance.report import ConformanceError
 from tandem.testing.conformance.workloads import EOS, VOCAB, Mode, Outputs, RequestSpec, Workload
 from tandem.testing.engine import expected_scripted_output
+from tandem.testing.scripted_diffusion import expected_scripted_diffusion_output
 
 
 class DriverRules:
@@ -35,6 +36,7 @@ class DriverRules:
     max_num_seqs: int
     max_num_batched_tokens: int
     seeded_expected: Outputs | None
+    kind: str
 
     def error(self, invariant: str, detail: str, request_id: str | None = None) -> ConformanceError:
         raise NotImplementedError
@@ -306,6 +308,9 @@ class DriverRules:
                 )
 
     def expected(self, spec: RequestSpec) -> tuple[list[int], str | None] | None:
+        if self.kind == "diffusion":  # seeded too: the committed canvases ignore the draws
+            params = spec.make().sampling_params
+            return expected_scripted_diffusion_output(list(spec.prompt), params, self.engine.config)
         if spec.greedy:
             params = spec.make().sampling_params
             max_model_len = self.engine.max_model_len

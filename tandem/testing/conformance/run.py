@@ -17,6 +17,13 @@ from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.scheduler_state import SchedulerState
 from tandem.plugin_discovery import load_plugin_class
 from tandem.plugins.invariant_checker import InvariantViolation
+from tandem.testing.conformance.kinds import (
+    Kind,
+    adapt_workload,
+    model_overrides,
+    sampler_for,
+    scheduler_kind,
+)
 from tandem.testing.conformance.report import ConformanceError
 from tandem.testing.conformance.rules import DriverRules
 from tandem.testing.conformance.scenarios import CHECK_LIST
@@ -60,18 +67,20 @@ class RunResult:
 
 
 def stack_for(plugin: str, options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The stack a conformance engine runs: the plugin as scheduler, then the default
-    sampler (the async layer is inserted by the plugin manager when async is on). A policy
-    plugin (one without the scheduler role: a WAITING order, a victim or a readiness seam)
-    runs stacked after `reference-scheduler`."""
+    """The stack a conformance engine runs: the plugin as scheduler, then the sampler of
+    its kind (`default-sampler`; `diffusion-sampler` for a diffusion scheduler; the async
+    layer is inserted by the plugin manager when async is on). A policy plugin (one
+    without the scheduler role: a WAITING order, a victim or a readiness seam) runs
+    stacked after `reference-scheduler`."""
     entry = {"name": plugin, "options": dict(options or {})}
+    sampler = {"name": sampler_for(scheduler_kind(plugin))}
     try:
         role = getattr(load_plugin_class(plugin), "role", None)
     except ConfigError:
         role = "scheduler"  # the engine start reports it
     if role == "scheduler":
-        return [entry, {"name": "default-sampler"}]
-    return [{"name": "reference-scheduler"}, entry, {"name": "default-sampler"}]
+        return [entry, sampler]
+    return [{"name": "reference-scheduler"}, entry, sampler]
 
 
 class _Probe:
@@ -134,7 +143,8 @@ class _Driver(DriverRules):
         seeded_expected: Outputs | None,
     ) -> None:
         self.plugin = plugin
-        self.workload = workload
+        self.kind: Kind = scheduler_kind(plugin)
+        self.workload = workload = adapt_workload(workload, self.kind)
         self.mode = mode
         self.check = check
         self.seeded_expected = seeded_expected
@@ -157,7 +167,7 @@ class _Driver(DriverRules):
                 check_invariants=True,
                 async_scheduling=mode == "async",
                 plugins=stack_for(plugin, options),
-                **workload.limits,
+                **{**model_overrides(self.kind), **workload.limits},
             )
             self.engine = EngineCore(config)
         except Exception as exc:
@@ -317,7 +327,9 @@ def run_workload(
     """Run `workload` with `plugin` (an entry-point name) as the scheduler in `mode`,
     checking every per-step rule; raise `ConformanceError` (reported under `check`) on the
     first violation. Greedy requests are compared with `expected_scripted_output`, seeded
-    ones with `seeded_expected` when given."""
+    ones with `seeded_expected` when given; under a diffusion scheduler (`kinds.py`) the
+    workload is adapted and every request is compared with
+    `expected_scripted_diffusion_output`."""
     return _Driver(plugin, options, workload, mode, check, seeded_expected).run()
 
 

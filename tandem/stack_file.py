@@ -12,7 +12,9 @@ of plugins with their options:
       - name: default-sampler
         options: {}
 
-`LLM(**kw)` keywords override fields by their (unique) name, e.g. `max_num_seqs=64`.
+`LLM(**kw)` keywords override fields by their (unique) name, e.g. `max_num_seqs=64`; a
+whole section by its name or vLLM's: `speculative` / `speculative_config`, `diffusion` /
+`diffusion_config` (a mapping, e.g. `diffusion={"canvas_length": 8}`).
 Every error names the file, the key path and what was expected. A key written twice in one
 mapping is an error (YAML alone would keep the last silently). String values may name
 environment variables, `${NAME}` or `${NAME:-fallback}`; `${TANDEM_CACHE}` always resolves
@@ -34,15 +36,17 @@ from tandem.core.worker.model_files import cache_root
 from tandem.sampling_params import format_validation_error
 
 _SECTIONS = ("model", "scheduler", "cache", "speculative", "structured_output", "parallel")
-_TOP_LEVEL = ("plugins", "check_invariants", "trace_hooks")
+_TOP_LEVEL = ("plugins", "check_invariants", "trace_hooks", "diffusion")
+#: vLLM's keyword names for whole sections (`LLM(speculative_config={...})`).
+_VLLM_SECTION_NAMES = {"speculative_config": "speculative", "diffusion_config": "diffusion"}
 
 
 def _override_target(key: str) -> tuple[str | None, str]:
     """Map a flat keyword (vLLM style) to (section, field); raise for unknown names."""
     if key in _TOP_LEVEL or key in _SECTIONS and key != "model":
         return None, key
-    if key == "speculative_config":
-        return None, "speculative"
+    if key in _VLLM_SECTION_NAMES:
+        return None, _VLLM_SECTION_NAMES[key]
     for section in _SECTIONS:
         model_cls = EngineConfig.model_fields[section].annotation
         fields = getattr(model_cls, "model_fields", None)

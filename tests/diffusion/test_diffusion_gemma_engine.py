@@ -171,3 +171,23 @@ def test_loader_fills_limits_and_the_diffusion_defaults(checkpoint: Path) -> Non
     assert (d.max_denoising_steps, d.t_min, d.t_max, d.entropy_bound) == (48, 0.4, 0.8, 0.1)
     assert (d.stability_threshold, d.confidence_threshold, d.acceptance) == (1, 0.005, "entropy")
     assert not DiffusionGemmaLoader.claims(checkpoint.parent)
+
+
+def test_prefix_cache_hits_on_committed_canvases_keep_parity(
+    checkpoint: Path, hf_model: Any
+) -> None:
+    """Second wave: each prompt extended by its first-wave output, on the same engine. Its
+    blocks are prefix-cache hits as far as the first wave encoded them (prompt, committed
+    canvases but the last, which finished unencoded and must not be hashed)."""
+    length = hf_model.config.canvas_length
+    core = engine(checkpoint)
+    first = run(core, 2 * length)
+    hits_before = core.stats()["prefix_cache_hits"]
+    extended = [PROMPTS[i] + first[f"r{i}"] for i in range(len(PROMPTS))]
+    for i, prompt in enumerate(extended):
+        request = make_request(f"s{i}", prompt, eos_token_id=None, max_tokens=length, seed=i)
+        core.add_request(request)
+    second = {rid: toks for rid, (toks, _) in collect_outputs(core, max_steps=500).items()}
+    assert core.stats()["prefix_cache_hits"] > hits_before
+    for i, prompt in enumerate(extended):
+        assert second[f"s{i}"] == reference(hf_model, prompt, i, length), i

@@ -11,6 +11,12 @@ What it records:
   calls), `wait` (the kernel waiting for a step's results, reported through
   `EngineCore.wait_observer`, the one span that is not a hook call) and `update`
   (`update_from_output`). Every span carries the engine's step count when it started.
+- for a block-diffusion model (a resolved `diffusion` section), two more lanes
+  (`DiffusionEvents`): `denoise`, one span per step that denoised canvases, from its
+  `schedule` to the end of its `update_from_output`, named `denoise N` (N canvases; args:
+  `canvases`, `canvas_positions`, `request_ids`); and `commit`, one span per committed
+  canvas, at the `update_from_output` that appended it, named `commit <request id> +K`
+  (args: `request_id`, `tokens` (K), `finish_reason`).
 
 How: every implemented hook gets a `wrapper=True, trylast=True` implementation (the wrapper
 next to the implementations, so its teardown follows the last one). Wrappers run around all
@@ -42,6 +48,8 @@ from tandem.core.plugin_manager import PluginConfigError
 
 if TYPE_CHECKING:
     from tandem.core.engine_core import EngineCore
+    from tandem.core.outputs import EngineCoreOutput
+    from tandem.core.scheduler_output import SchedulerOutput
 
 #: Engine hooks whose calls are also spans on the `engine` lane, by span name.
 ENGINE_SPANS = {
@@ -58,6 +66,8 @@ class Span:
     start: float
     end: float
     step_id: int = -1
+    #: Extra Chrome-trace args (besides `step`), e.g. a commit's request id and tokens.
+    args: dict[str, Any] | None = None
 
 
 @dataclass
@@ -103,7 +113,7 @@ class StepTracer:
                     "tid": lanes.index(s.lane),
                     "ts": (s.start - t0) * 1e6,
                     "dur": (s.end - s.start) * 1e6,
-                    "args": {"step": s.step_id},
+                    "args": {"step": s.step_id, **(s.args or {})},
                 }
             )
         return events
@@ -156,6 +166,8 @@ class HookTracing:
         if worker is not None:
             tracing._instrument(worker.plugin_manager, engine_side=False)
         engine.wait_observer = tracing._wait
+        if getattr(engine.config, "diffusion", None) is not None:
+            engine.plugin_manager.register(DiffusionEvents(tracing), f"{cls.name}:diffusion")
         return tracing
 
     @hookimpl
@@ -272,6 +284,52 @@ class HookTracing:
         finally:
             if self.tracer is not None:
                 self.tracer.add(Span("engine", "wait", start, time.perf_counter(), self.step_id))
+
+
+class DiffusionEvents:
+    """Denoising steps and commits on the `denoise` and `commit` lanes (module docstring);
+    registered beside `HookTracing` on the engine of a block-diffusion model."""
+
+    def __init__(self, tracing: HookTracing) -> None:
+        self.tracing = tracing
+        self._scheduled: dict[int, tuple[float, int]] = {}  # id(output) -> (start, step)
+
+    @hookimpl(wrapper=True)
+    def schedule(self) -> Generator[None, SchedulerOutput, SchedulerOutput]:
+        start = time.perf_counter()
+        output = yield
+        if output.scheduled_spec_decode_tokens:
+            self._scheduled[id(output)] = (start, self.tracing.engine.num_steps)
+        return output
+
+    @hookimpl(wrapper=True)
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput
+    ) -> Generator[None, list[list[EngineCoreOutput]], list[list[EngineCoreOutput]]]:
+        results = yield  # one list of outputs per implementation
+        tracer = self.tracing.tracer
+        scheduled = self._scheduled.pop(id(scheduler_output), None)
+        if tracer is None or scheduled is None:
+            return results
+        start, step = scheduled
+        end = time.perf_counter()
+        canvases = scheduler_output.scheduled_spec_decode_tokens
+        args = {
+            "canvases": len(canvases),
+            "canvas_positions": sum(len(c) for c in canvases.values()),
+            "request_ids": sorted(canvases),
+        }
+        tracer.add(Span("denoise", f"denoise {len(canvases)}", start, end, step, args))
+        for out in (o for outputs in results for o in outputs or ()):
+            if out.new_token_ids:
+                commit = {
+                    "request_id": out.request_id,
+                    "tokens": len(out.new_token_ids),
+                    "finish_reason": out.finish_reason,
+                }
+                name = f"commit {out.request_id} +{len(out.new_token_ids)}"
+                tracer.add(Span("commit", name, end, end, step, commit))
+        return results
 
 
 def tracing_of(engine: EngineCore) -> HookTracing | None:

@@ -6,6 +6,12 @@ diagrams of the async-scheduling document) and `<out>.stats.json` (device-busy f
 wall time and the engine's CPU time per step, for each loop). `<out>` defaults to
 `tandem-trace` in the current directory; the paths written are printed. Drawing needs
 matplotlib (`pip install 'tandem[trace]'`); `--no-png` writes the JSON files only.
+
+`--diffusion` runs the scripted block-diffusion model (`scripted-diffusion`, the diffusion
+scheduler) instead: the trace gains the lanes "denoise" (one span per step that denoised
+canvases, with how many) and "commit" (one per committed canvas: request id and token
+count), the PNG a third row with the denoising steps and the commits as ticks, and the
+stats the engine's diffusion figures (`engine.stats()["diffusion"]`).
 """
 
 from __future__ import annotations
@@ -33,9 +39,11 @@ def record(
     prompt: int,
     output: int,
     max_num_batched_tokens: int = 2048,
+    diffusion: bool = False,
 ) -> tuple[StepTracer, dict[str, Any]]:
     """Run `requests` scripted requests on the simulated device with tracing on (the
-    `hook-tracing` plugin); return the tracer (engine, hooks and device spans) and the run's
+    `hook-tracing` plugin); return the tracer (engine, hooks and device spans; with
+    `diffusion`, on `scripted-diffusion`, also denoise and commit spans) and the run's
     figures."""
     from tandem.core.request import Request
     from tandem.plugins.tracing import Span, StepTracer, enable_tracing
@@ -44,6 +52,7 @@ def record(
 
     max_len = prompt + output + 16
     engine = make_scripted_engine(
+        model="scripted-diffusion" if diffusion else "scripted",
         parallel={"executor": "simulated"},
         async_scheduling=async_scheduling,
         check_invariants=False,
@@ -87,8 +96,22 @@ def record(
         "engine_calls": calls,
         "hook_times": tracing.summary(engine.num_steps),
     }
+    if diffusion:
+        stats["diffusion"] = engine.stats()["diffusion"]
     engine.shutdown()
     return tracer, stats
+
+
+def _draw_diffusion_row(ax: Any, tracer: StepTracer, t0: float) -> None:
+    """Row 3 (diffusion runs only): denoising steps as bars (alternating colours, one per
+    step), commits as black ticks."""
+    steps = [s for s in tracer.spans if s.lane == "denoise"]
+    for i, s in enumerate(steps):
+        colour = ("tab:cyan", "teal")[i % 2]
+        ax.broken_barh([((s.start - t0) * 1000, (s.end - s.start) * 1000)], (20, 8), color=colour)
+    commits = [(s.start - t0) * 1000 for s in tracer.spans if s.lane == "commit"]
+    if commits:
+        ax.vlines(commits, 20, 28, colors="black", linewidth=0.8)
 
 
 def draw(tracers: list[tuple[str, StepTracer]], path: Path) -> None:
@@ -101,6 +124,7 @@ def draw(tracers: list[tuple[str, StepTracer]], path: Path) -> None:
     fig, axes = plt.subplots(len(tracers), 1, figsize=(12, 2.2 * len(tracers)), sharex=True)
     for ax, (title, tracer) in zip(axes, tracers, strict=True):
         t0 = min(s.start for s in tracer.spans)
+        _draw_diffusion_row(ax, tracer, t0)
         for row, lane in enumerate(("device", "engine")):
             spans = [s for s in tracer.spans if s.lane == lane]
             for s in spans:
@@ -108,7 +132,8 @@ def draw(tracers: list[tuple[str, StepTracer]], path: Path) -> None:
                 ax.broken_barh(
                     [((s.start - t0) * 1000, (s.end - s.start) * 1000)], (row * 10, 8), color=colour
                 )
-        ax.set_yticks([4, 14], labels=["device", "engine CPU"])
+        ticks = [4, 14] + ([24] if any(s.lane == "denoise" for s in tracer.spans) else [])
+        ax.set_yticks(ticks, labels=["device", "engine CPU", "denoise / commits"][: len(ticks)])
         ax.set_title(title, fontsize=10, loc="left")
     axes[-1].set_xlabel("ms")
     handles = [
@@ -139,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--output", type=int, default=40)
     parser.add_argument(
+        "--diffusion",
+        action="store_true",
+        help="run the scripted block-diffusion model: denoise and commit lanes",
+    )
+    parser.add_argument(
         "--window-ms", type=float, default=0.0, help="draw only the first N ms (0 = all)"
     )
     args = parser.parse_args(argv)
@@ -150,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    runs = [record(mode, args.requests, args.prompt, args.output) for mode in (False, True)]
+    runs = [
+        record(mode, args.requests, args.prompt, args.output, diffusion=args.diffusion)
+        for mode in (False, True)
+    ]
     events: list[dict] = []
     for pid, ((tracer, _stats), name) in enumerate(
         zip(runs, ("sync step()", "async step_with_batch_queue()"), strict=True)

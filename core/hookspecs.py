@@ -286,6 +286,11 @@ class WorkerHookSpecs:
         and ends the ones that still raise with `finish_reason == "error"` (the others are
         sampled again together and go on). A plugin that raises must leave no partial state
         behind for a row it did not finish.
+
+        Block-diffusion path (`core/worker/diffusion_runner.py`): `logits` is `[R, L, V]`
+        (R requests' canvases of L positions) with `metadata` a `DenoiseMetadata`, answered
+        by a `DenoiseSamplerOutput`; or, with an `InitialCanvasMetadata`, `logits` is empty
+        and the result is the `[R, L]` initial canvases (`plugins/diffusion_sampler.py`).
         """
 
     @hookspec(firstresult=True)

@@ -29,6 +29,14 @@ registry, `register_plugin`) under `test-<kebab-case class name>` for the run, a
 `registered_plugins({name: cls})` registers classes under chosen names; no distribution is
 written anywhere.
 
+The scheduler's kind (`kinds.py`) picks the model: a scheduler with
+`num_sampled_tokens_per_step == 0` (e.g. `diffusion-scheduler`) runs on `scripted-diffusion`
+with `diffusion-sampler`, its workloads adapted (no `min_tokens`, stop tokens from its own
+stream, a budget of at least one canvas) and every output held to
+`expected_scripted_diffusion_output`. What does not apply to a kind
+(`NOT_APPLICABLE`, with the reason) is reported, never skipped silently: an "N/A" line per
+check and rule in `ConformanceReport.summary()`, a skip "n/a: <reason>" under pytest.
+
 Checks (`CHECKS`), each run in both modes (`MODES`):
 
 - `greedy-parity` (a): greedy outputs equal `expected_scripted_output`, and seeded

@@ -3,8 +3,8 @@
 Declares what `core/worker/model_loader.py` asks of a loader, plus `is_diffusion` (the
 config resolution then builds the diffusion stack) and `claims(model_dir)`: whether a
 directory holds a DiffusionGemma checkpoint (`config.json` `model_type` `diffusion_gemma`).
-A directory is kind `hf` today, so this loader is reached only once `model_loader_for`
-asks `claims` before falling back to the HF loader (requested of the lead; not wired here).
+`model_loader_for` asks `claims` before falling back to the HF loader, so
+`LLM(model=<DiffusionGemma dir>)` reaches this loader (entry point `diffusion-gemma`).
 
 - `resolve_limits`: vocabulary, EOS and max_model_len from the *text* config (the top-level
   `DiffusionGemmaConfig` has none of them); `num_kv_blocks` from the KV budget divided by

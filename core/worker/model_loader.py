@@ -5,7 +5,10 @@ as class attributes read without an instance:
 
 - `model_kinds`: the kinds it loads. A config's `model.model` that equals a declared kind
   (e.g. `scripted`, the test model's loader in `tandem.testing`) is that kind; anything
-  else (a directory, a `.gguf` file, a hub id, `default`) is the kind `hf`.
+  else (a directory, a `.gguf` file, a hub id, `default`) goes to the first loader, in
+  kind order, whose optional `claims(path)` class method is true for it (DiffusionGemma
+  claims directories whose `config.json` says `model_type: diffusion_gemma`), else it is
+  the kind `hf`. A loader without `claims` claims nothing by path.
 - `has_tokenizer`: the model comes with a tokenizer (and a generation config) in the
   directory `model.model` resolves to, so text prompts and grammars work.
 - `simulatable`: its forward costs next to nothing, so the simulated executor may model the
@@ -19,6 +22,7 @@ and two class methods: `resolve_limits(config)` fills `vocab_size`, `eos_token_i
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from tandem.config import ConfigError, EngineConfig
@@ -61,10 +65,24 @@ def model_loaders() -> dict[str, type[ModelLoader]]:
     return loaders
 
 
+def _claiming_loader(model: str, loaders: dict[str, type[ModelLoader]]) -> type[ModelLoader] | None:
+    """The first loader, in kind order, whose `claims(Path(model))` is true, else None."""
+    path = Path(model)
+    for _, cls in sorted(loaders.items()):
+        claims = getattr(cls, "claims", None)
+        try:
+            if claims is not None and claims(path):
+                return cls
+        except Exception as exc:  # one broken loader must not hide the others
+            logger.warning("model loader %s: claims(%r) failed: %s", cls.__name__, model, exc)
+    return None
+
+
 def model_loader_for(model: str) -> type[ModelLoader]:
-    """The loader that claims `model` (see the module docstring)."""
+    """The loader that claims `model`: by kind, then by `claims`, then `hf` (module
+    docstring)."""
     loaders = model_loaders()
-    loader = loaders.get(model) or loaders.get(HF_KIND)
+    loader = loaders.get(model) or _claiming_loader(model, loaders) or loaders.get(HF_KIND)
     if loader is None:
         raise ConfigError(
             f"model.model: no installed model loader claims {model!r} (entry-point group "

@@ -9,8 +9,9 @@ keyed generators, following the reference's draw order (docs/diffusion-reference
 runs (requests of different prompt lengths and seeds, sync and async scheduling, a KV pool
 small enough to preempt) must equal each request's own reference run, trimmed to max_tokens.
 
-`model_loader_for` does not yet hand DiffusionGemma directories to `DiffusionGemmaLoader`
-(a change requested of the lead), so the test routes them there with monkeypatch.
+The checkpoints are plain directories: `model_loader_for` hands them to `DiffusionGemmaLoader`
+because it claims them (`config.json` `model_type`), so `LLM(model=dir)` builds the
+diffusion stack by itself.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from typing import Any
 import pytest
 import torch
 
-import tandem.config_resolution
-import tandem.core.worker.model_loader
-from tandem.config import EngineConfig
+from tandem import LLM, SamplingParams
+from tandem.config import ConfigError, EngineConfig
 from tandem.config_resolution import resolve_config
 from tandem.core.engine_core import EngineCore
 from tandem.core.worker.diffusion_gemma_loader import DiffusionGemmaLoader
+from tandem.core.worker.model_loader import model_loader_for
 from tandem.plugins.diffusion_denoise import step_generator_seed
 from tandem.stack_file import load_config
 from tandem.testing.engine import collect_outputs, make_request
@@ -44,17 +45,6 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     path = tmp_path_factory.mktemp(request.param)
     tiny_diffusion_gemma(text, canvas).save_pretrained(path)
     return path
-
-
-@pytest.fixture(autouse=True)
-def route_to_diffusion_gemma(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = tandem.core.worker.model_loader.model_loader_for
-
-    def loader_for(model: str) -> type:
-        return DiffusionGemmaLoader if DiffusionGemmaLoader.claims(Path(model)) else original(model)
-
-    for module in (tandem.core.worker.model_loader, tandem.config_resolution):
-        monkeypatch.setattr(module, "model_loader_for", loader_for)
 
 
 def engine(path: Path, **overrides: Any) -> EngineCore:
@@ -191,3 +181,26 @@ def test_prefix_cache_hits_on_committed_canvases_keep_parity(
     assert core.stats()["prefix_cache_hits"] > hits_before
     for i, prompt in enumerate(extended):
         assert second[f"s{i}"] == reference(hf_model, prompt, i, length), i
+
+
+def test_llm_on_a_directory_picks_the_diffusion_stack_by_itself(
+    checkpoint: Path, hf_model: Any
+) -> None:
+    assert model_loader_for(str(checkpoint)) is DiffusionGemmaLoader
+    llm = LLM(model=str(checkpoint), block_size=4, max_model_len=64, diffusion=SCHEDULE)
+    try:
+        names = [spec.name for spec in llm.config.resolved_stack or []]
+        assert "diffusion-scheduler" in names and "diffusion-sampler" in names
+        max_tokens = hf_model.config.canvas_length + 1
+        params = SamplingParams(max_tokens=max_tokens, seed=SEEDS[0], ignore_eos=True)
+        out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "length"
+        assert list(out.token_ids) == reference(hf_model, PROMPTS[0], SEEDS[0], max_tokens)
+    finally:
+        llm.shutdown()
+
+
+def test_an_autoregressive_option_on_the_directory_names_the_key(checkpoint: Path) -> None:
+    speculative = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError, match=r"^speculative: drafts do not apply"):
+        LLM(model=str(checkpoint), block_size=4, max_model_len=64, speculative=speculative)

@@ -47,13 +47,14 @@ def test_bad_key_inside_the_section_is_named(key: str) -> None:
         load_config(None, **BASE, **{key: {"canvas_lenght": 5}})
 
 
-def run_engine(executor: str, async_scheduling: bool) -> tuple[dict[str, Any], EngineConfig]:
+def run_engine(executor: str, async_scheduling: bool) -> tuple[dict[str, Any], EngineConfig, int]:
+    """Outputs, config and preemptions of four requests on a pool too small for them."""
     config = resolve_config(
         load_config(
             None,
             **BASE,
             executor=executor,
-            num_kv_blocks=10,  # preemption mid-canvas
+            num_kv_blocks=8,  # one max-length sequence: preemption mid-canvas
             max_num_batched_tokens=8,
             async_scheduling=async_scheduling,
             diffusion={"canvas_length": 3},
@@ -62,18 +63,20 @@ def run_engine(executor: str, async_scheduling: bool) -> tuple[dict[str, Any], E
     engine = EngineCore(config)
     try:
         for i, prompt in enumerate(PROMPTS):
-            engine.add_request(make_request(f"r{i}", prompt, max_tokens=9, seed=i))
-        return collect_outputs(engine, max_steps=1000), config
+            engine.add_request(make_request(f"r{i}", prompt, max_tokens=12, seed=i))
+        outputs = collect_outputs(engine, max_steps=1000)
+        return outputs, config, int(engine.stats()["num_preemptions"])
     finally:
         engine.shutdown()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_process_executor_equals_in_process(async_scheduling: bool) -> None:
-    in_process, config = run_engine("inprocess", async_scheduling)
-    other, _ = run_engine("process", async_scheduling)
+    in_process, config, preemptions = run_engine("inprocess", async_scheduling)
+    other, _, other_preemptions = run_engine("process", async_scheduling)
     assert other == in_process
-    params = make_request("x", [2], max_tokens=9).sampling_params
+    assert preemptions > 0 and other_preemptions > 0  # canvases restarted after recompute
+    params = make_request("x", [2], max_tokens=12).sampling_params
     want = [expected_scripted_diffusion_output(p, params, config) for p in PROMPTS]
     assert [in_process[f"r{i}"] for i in range(len(PROMPTS))] == want
 

@@ -116,12 +116,8 @@ class EngineCore:
 
     def stats(self) -> dict[str, Any]:
         """Every plugin's `engine_stats` merged, with `batch_queue_depth` (steps in flight)."""
-        merged: dict[str, Any] = {}
-        for part in self.hook.engine_stats():
-            if part:
-                merged.update(part)
-        merged["batch_queue_depth"] = len(self.batch_queue)
-        return merged
+        merged = {k: v for part in self.hook.engine_stats() if part for k, v in part.items()}
+        return merged | {"batch_queue_depth": len(self.batch_queue)}
 
     # The loop: step() and step_with_batch_queue() are twins ----------------------------
     def step(self) -> tuple[list[EngineCoreOutput], bool]:

@@ -287,10 +287,8 @@ class WorkerHookSpecs:
         sampled again together and go on). A plugin that raises must leave no partial state
         behind for a row it did not finish.
 
-        Block-diffusion path (`core/worker/diffusion_runner.py`): `logits` is `[R, L, V]`
-        (R requests' canvases of L positions) with `metadata` a `DenoiseMetadata`, answered
-        by a `DenoiseSamplerOutput`; or, with an `InitialCanvasMetadata`, `logits` is empty
-        and the result is the `[R, L]` initial canvases (`plugins/diffusion_sampler.py`).
+        Block diffusion (`worker/diffusion_runner.py`): `[R, L, V]` canvas logits with a
+        `DenoiseMetadata` -> `DenoiseSamplerOutput`; empty with `InitialCanvasMetadata` -> `[R, L]`.
         """
 
     @hookspec(firstresult=True)

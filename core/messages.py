@@ -1,9 +1,8 @@
 """Typed messages between processes: small frozen structs, encoded as MessagePack, no pickle.
 
 Engine -> worker: `ExecuteModel`, `SampleTokens`, `Shutdown`; worker -> engine: `WorkerReply`
-(also the "started" reply, empty) or `WorkerError`. Front end <-> engine core, in the same
-style, the channel of the serving stack (`tandem.engine`): `AddRequest`, `AbortRequests`,
-`Shutdown` in; `EngineCoreReady`, `EngineCoreOutputs`, `EngineCoreDead` out.
+(also the "started" reply, empty) or `WorkerError`. The serving stack's front end <-> engine
+core channel uses the same base and codec (`tandem.engine.messages`).
 
 Inside a message, dataclasses (`SchedulerOutput`, `ModelRunnerOutput`, `EngineCoreOutput`)
 travel field by field and are rebuilt by their type hints; `SamplingParams` (pydantic)
@@ -20,14 +19,12 @@ import msgspec
 import torch
 
 from tandem.core.model_runner_output import ModelRunnerOutput
-from tandem.core.outputs import EngineCoreOutput
-from tandem.core.request import Request
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.sampling_params import SamplingParams
 
 
-class _Message(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """Base of every message: the class name is its tag on the wire."""
+class Message(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Base of every message (both channels): the class name is its tag on the wire."""
 
 
 class TensorData(msgspec.Struct, frozen=True, array_like=True):
@@ -50,77 +47,30 @@ class TensorData(msgspec.Struct, frozen=True, array_like=True):
         return torch.frombuffer(bytearray(self.data), dtype=dtype).reshape(self.shape)
 
 
-class ExecuteModel(_Message):
+class ExecuteModel(Message):
     scheduler_output: SchedulerOutput
 
 
-class SampleTokens(_Message):
+class SampleTokens(Message):
     grammar_bitmask: TensorData | None = None
 
 
-class Shutdown(_Message):
+class Shutdown(Message):
     pass
 
 
-class WorkerReply(_Message):
+class WorkerReply(Message):
     """A call's result: `output` for `SampleTokens`, None otherwise."""
 
     output: ModelRunnerOutput | None = None
 
 
-class WorkerError(_Message):
+class WorkerError(Message):
     traceback: str
-
-
-class AddRequest(_Message):
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_id: int | None
-    arrival_time: float
-    priority: int = 0
-
-    @classmethod
-    def of(cls, r: Request) -> AddRequest:
-        return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id,
-                   r.arrival_time, r.priority)  # fmt: skip
-
-    def to_request(self) -> Request:
-        return Request(self.request_id, list(self.prompt_token_ids), self.sampling_params,
-                       self.eos_token_id, self.arrival_time, self.priority)  # fmt: skip
-
-
-class AbortRequests(_Message):
-    request_ids: list[str]
-
-
-class EngineCoreOutputs(_Message):
-    """One step's outputs, for every request that has news, from engine `engine_index`;
-    `stats` is `EngineCore.stats()` after that step (None when not asked for)."""
-
-    outputs: list[EngineCoreOutput]
-    engine_index: int = 0
-    stats: dict[str, Any] | None = None
-
-
-class EngineCoreReady(_Message):
-    """The engine core process built its engine and reads its input socket."""
-
-    engine_index: int
-    num_kv_blocks: int
-
-
-class EngineCoreDead(_Message):
-    """The engine stopped (a failed step, its worker died); the process exits after it."""
-
-    engine_index: int
-    error: str
 
 
 ToWorker = ExecuteModel | SampleTokens | Shutdown
 FromWorker = WorkerReply | WorkerError
-ToEngineCore = AddRequest | AbortRequests | Shutdown
-FromEngineCore = EngineCoreOutputs | EngineCoreReady | EngineCoreDead
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -138,7 +88,7 @@ def _dec_hook(kind: type, obj: Any) -> Any:
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 
 
-def encode(message: _Message) -> bytes:
+def encode(message: Message) -> bytes:
     return _encoder.encode(message)
 
 

@@ -1,24 +1,29 @@
 """What a plugin is, and a pluggy manager holding one side of a resolved stack.
 
-Plugins are found by name on the front door (`tandem.plugin_discovery`); the kernel only
-sees the resolved stack's classes (`tandem.core.stack`). A plugin declares what it is with class attributes read from the class, no instance
-(`CAPABILITIES`; `TandemPlugin` documents each and its default). The stack is resolved once
-(`tandem.config_resolution.resolve_config`); the engine and the worker each build a
-`TandemPluginManager` from that one `ResolvedStack`. Stack order is call order, so plugins
-are registered in reverse (pluggy calls the most recently registered implementation first).
+Plugins are found by name on the front door (`tandem.plugin_discovery`) and the stack is
+resolved there once (`tandem.config_resolution.resolve_config`: names to classes, implied
+plugins, options, conflicts), kept on the config with its serialisable form in
+`config.resolved_stack` (each class as `module:Class`). The kernel never discovers plugins:
+`stack_of` returns the kept `ResolvedStack`, or rebuilds it in another process by importing
+each class by path; the engine and the worker each build a `TandemPluginManager` from that
+one stack. Stack order is call order, so plugins are registered in reverse (pluggy calls
+the most recently registered implementation first). A plugin declares what it is with class
+attributes read from the class, no instance (`CAPABILITIES`, documented on `TandemPlugin`).
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import pluggy
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from tandem.config import ConfigError, EngineConfig
+from tandem.config import ConfigError, EngineConfig, PluginSpec
 from tandem.core.hookspecs import PROJECT, EngineHookSpecs, WorkerHookSpecs
+from tandem.sampling_params import format_validation_error
 
 ENTRY_POINT_GROUP = "tandem.plugins"
 ENGINE_HOOKS = frozenset(n for n in vars(EngineHookSpecs) if not n.startswith("_"))
@@ -107,17 +112,95 @@ def plugin_sides(cls: type) -> set[str]:
     }
 
 
+# The resolved stack -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StackEntry:
+    """One plugin of a resolved stack: its class, validated options, and where the stack
+    names it (`file:line: plugins[i]`, for errors)."""
+
+    name: str
+    cls: type
+    options: BaseModel
+    raw_options: dict
+    where: str
+
+    def cap(self, name: str) -> object:
+        return capability(self.cls, name)
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedStack:
+    """The stack in call order, with the facts the kernel derives from it."""
+
+    entries: tuple[StackEntry, ...]
+
+    def with_role(self, role: str) -> list[StackEntry]:
+        return [e for e in self.entries if e.cap("role") == role]
+
+    @property
+    def drafter(self) -> StackEntry | None:
+        return next(iter(self.with_role("drafter")), None)
+
+    @property
+    def needs_hidden_states(self) -> bool:
+        return any(e.cap("needs_hidden_states") for e in self.with_role("drafter"))
+
+    @property
+    def applies_grammar_bitmask(self) -> bool:
+        return any(e.cap("applies_grammar_bitmask") for e in self.with_role("sampler"))
+
+
+def stack_entry(cls: type, spec: PluginSpec, where: str) -> StackEntry:
+    """`cls` as the stack entry `spec` names: it implements only known hooks and its
+    options validate against its `Options` model (errors name `where`)."""
+    unknown = implemented_hooks(cls) - ALL_HOOKS
+    if unknown:
+        raise PluginConfigError(
+            f"plugin {spec.name!r} implements unknown hook(s) {sorted(unknown)}; "
+            f"known hooks: {sorted(ALL_HOOKS)}"
+        )
+    try:
+        options = getattr(cls, "Options", NoOptions).model_validate(spec.options)
+    except ValidationError as exc:
+        raise PluginConfigError(format_validation_error(exc, f"{where}.options")) from exc
+    return StackEntry(spec.name, cls, options, dict(spec.options), where)
+
+
+def stack_of(config: EngineConfig) -> ResolvedStack:
+    """The config's resolved stack: the one kept on it, or rebuilt from
+    `config.resolved_stack` by importing each class by path (a worker in another
+    process). A config that was never resolved is an error: resolve it first."""
+    if config._stack is not None:
+        return config._stack
+    if config.resolved_stack is None:
+        raise ConfigError("the plugin stack is not resolved: call resolve_config first")
+    entries = []
+    for spec in config.resolved_stack:
+        where = f"plugin {spec.name!r}"
+        if isinstance(spec.plugin, type):
+            cls = spec.plugin
+        else:
+            try:
+                cls = import_class(spec.plugin if isinstance(spec.plugin, str) else spec.name)
+            except (ImportError, AttributeError) as exc:
+                raise PluginConfigError(f"{where}: cannot import {spec.plugin!r}: {exc}") from exc
+        entries.append(stack_entry(cls, spec, where))
+    config._stack = ResolvedStack(tuple(entries))
+    return config._stack
+
+
 # The manager ----------------------------------------------------------------------------
 
 
 class TandemPluginManager(pluggy.PluginManager):
     """A pluggy manager holding one side (engine or worker) of the config's resolved stack
-    (`stack.stack_of`: resolved once on the front door, shared by both sides)."""
+    (`stack_of`: resolved once on the front door, shared by both sides)."""
 
     def __init__(
         self, config: EngineConfig, side: str = "engine", source: str = "<config>"
     ) -> None:
-        from tandem.core.stack import stack_of  # the stack module imports this one
 
         super().__init__(PROJECT)
         self.config = config

@@ -74,10 +74,6 @@ class SchedulerOutput:
     pending_structured_output_tokens: bool = False
     structured_output_request_ids: list[str] = field(default_factory=list)
 
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
-
 
 def drafts_to_verify(scheduled: list[int], proposal: Sequence[int]) -> list[int]:
     """The drafts the worker verifies for a request scheduled with `scheduled` drafts: the

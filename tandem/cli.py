@@ -106,8 +106,7 @@ def cmd_plugins_show(args: argparse.Namespace) -> int:
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     from tandem.config_resolution import resolve_config
-    from tandem.core.plugin_manager import implemented_hooks
-    from tandem.core.stack import stack_of
+    from tandem.core.plugin_manager import implemented_hooks, stack_of
     from tandem.stack_file import load_config
 
     config = resolve_config(load_config(args.stack, **_overrides(args)))

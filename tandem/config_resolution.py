@@ -8,7 +8,7 @@ option is an error naming it. Incompatible: an executor without async support, p
 parallelism, a drafter that declares `aligned_drafts = False`.
 
 Last it resolves the plugin stack once (names to classes through discovery, implied
-plugins, options, conflicts) and keeps it on the config (`tandem.core.stack.keep_stack`);
+plugins, options, conflicts) and keeps it on the config (`keep_stack`);
 the engine's and the worker's plugin managers only read it. The kernel receives a resolved
 config and never discovers plugins.
 """
@@ -21,11 +21,13 @@ import math
 from tandem.config import ConfigError, EngineConfig, PluginSpec, class_path, with_line
 from tandem.core.plugin_manager import (
     PluginConfigError,
+    ResolvedStack,
+    StackEntry,
     capability,
     implemented_hooks,
     import_class,
+    stack_entry,
 )
-from tandem.core.stack import ResolvedStack, StackEntry, keep_stack, stack_entry
 from tandem.core.worker.model_loader import model_loader_for
 from tandem.core.worker.threads import resolve_worker_threads
 from tandem.diffusion_config import DiffusionConfig
@@ -299,6 +301,15 @@ def resolve_stack(config: EngineConfig, source: str | None = None) -> ResolvedSt
     return _finish(config, _base_entries(config, source), source)
 
 
+def keep_stack(config: EngineConfig, stack: ResolvedStack) -> ResolvedStack:
+    """Keep `stack` on `config`, with its serialisable form in `config.resolved_stack`."""
+    config._stack = stack
+    config.resolved_stack = [
+        PluginSpec(name=e.name, options=e.raw_options, plugin=e.cls) for e in stack.entries
+    ]
+    return stack
+
+
 def _resolve_async(config: EngineConfig, executor_supports_async: bool) -> bool:
     """Decide `async_scheduling`; with speculative decoding the drafter has a say, so the
     stack is resolved here (once: it is kept on the config)."""
@@ -323,7 +334,7 @@ def _resolve_async(config: EngineConfig, executor_supports_async: bool) -> bool:
 
 def resolve_config(config: EngineConfig, executor_supports_async: bool = True) -> EngineConfig:
     """Return a copy with every `None` that has a computable value filled in and the
-    plugin stack resolved and kept on it (`tandem.core.stack.stack_of` reads it)."""
+    plugin stack resolved and kept on it (`plugin_manager.stack_of` reads it)."""
     config = config.model_copy(deep=True)
     config._stack, config.resolved_stack = None, None
     model = config.model

@@ -5,7 +5,7 @@ distribution declares its bundled plugins there, exactly like a third-party one)
 name registered in this process (`register_plugin`: the test kit's doubles, classes under
 test), then an import path `module:Class`. A plugin is inactive until a stack names it.
 Discovery serves the front door (resolving a stack, `tandem plugins list`); the kernel
-only ever sees the resolved stack's classes (`tandem.core.stack`).
+only ever sees the resolved stack's classes (`tandem.core.plugin_manager`).
 """
 
 from __future__ import annotations

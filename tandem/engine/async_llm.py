@@ -37,11 +37,11 @@ from typing import Any
 from tandem.config import EngineConfig
 from tandem.config_resolution import resolve_config
 from tandem.core.executor import executor_class
-from tandem.core.messages import AbortRequests, AddRequest, EngineCoreDead, EngineCoreOutputs
-from tandem.core.stack import stack_of
+from tandem.core.plugin_manager import stack_of
 from tandem.core.worker.model_loader import model_loader_for
 from tandem.engine.core_client import EngineCoreClient
 from tandem.engine.errors import EngineDeadError, QueueFullError
+from tandem.engine.messages import AbortRequests, AddRequest, EngineCoreDead, EngineCoreOutputs
 from tandem.engine.request_stream import RequestStream
 from tandem.engine.stats import IterationStats, RequestTimings, StatLogger
 from tandem.generation_defaults import load_generation_defaults

@@ -30,15 +30,9 @@ from typing import Any
 import zmq
 
 from tandem.config import EngineConfig
-from tandem.core.messages import (
-    EngineCoreDead,
-    EngineCoreReady,
-    FromEngineCore,
-    Shutdown,
-    decoder,
-    encode,
-)
+from tandem.core.messages import Shutdown, decoder, encode
 from tandem.engine.core_proc import run_engine_core
+from tandem.engine.messages import EngineCoreDead, EngineCoreReady, FromEngineCore
 
 logger = logging.getLogger("tandem.engine")
 

@@ -26,18 +26,16 @@ import traceback
 from typing import Any
 
 from tandem.config import EngineConfig
-from tandem.core.messages import (
+from tandem.core.messages import Shutdown, decoder, encode
+from tandem.core.outputs import EngineCoreOutput
+from tandem.engine.messages import (
     AbortRequests,
     AddRequest,
     EngineCoreDead,
     EngineCoreOutputs,
     EngineCoreReady,
-    Shutdown,
     ToEngineCore,
-    decoder,
-    encode,
 )
-from tandem.core.outputs import EngineCoreOutput
 
 logger = logging.getLogger("tandem.engine_core")
 

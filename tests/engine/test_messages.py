@@ -10,16 +10,11 @@ import pytest
 import torch
 
 from tandem.core.messages import (
-    AbortRequests,
-    AddRequest,
-    EngineCoreOutputs,
     ExecuteModel,
-    FromEngineCore,
     FromWorker,
     SampleTokens,
     Shutdown,
     TensorData,
-    ToEngineCore,
     ToWorker,
     WorkerError,
     WorkerReply,
@@ -30,6 +25,13 @@ from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.request import Request
 from tandem.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tandem.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineCoreOutputs,
+    FromEngineCore,
+    ToEngineCore,
+)
 from tandem.sampling_params import RequestOutputKind, SamplingParams
 from tandem.testing import collect_outputs, make_request, make_scripted_engine
 

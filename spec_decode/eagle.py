@@ -129,7 +129,9 @@ class EagleDrafter:
         if draft_vocab is not None:
             from tandem.core.worker.packed_linear import PackedLinear
 
-            lm_head = PackedLinear(target.model.lm_head.weight.detach()[draft_vocab])
+            # The target's LM head holds one copy of its weight (h16 item 6: the HF
+            # parameter is released once packed); `dense_weight` unpacks it for the rows.
+            lm_head = PackedLinear(target.lm_head.dense_weight()[draft_vocab])
         return _Serving(head, embed, rotary, lm_head, draft_vocab, tables, kv)
 
     @staticmethod

@@ -5,6 +5,13 @@ SwiGLU MLP; Qwen2's QKV bias, Qwen3's per-head q/k norms), but with the Q, K and
 projections fused into one matmul and gate and up into another, and no per-module Python:
 121 linear calls per token for a 30-layer model instead of 211. Linear weights are
 prepacked for oneDNN on CPU (`PackedLinear`).
+
+The decoder takes the layers' weights: once a layer is built, every parameter of the HF
+layer (projections, their biases, the norms) is released (a meta tensor, see
+`weight_release`), so the model holds one copy of each (the packed one, or the fused plain
+one where oneDNN cannot pack). The HF layers cannot run afterwards; the embedding, the
+rotary module and the final norm stay the HF model's own modules (read through them;
+`HFStepModel` then moves them off the checkpoint's file mapping, `own_remaining_parameters`).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch.nn.functional as F
 
 from tandem.core.worker.packed_linear import PackedLinear
 from tandem.core.worker.paged_attention import PagedAttentionMetadata, paged_attention
+from tandem.core.worker.weight_release import release_parameters
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,6 +49,42 @@ class _Layer:
     k_norm: torch.Tensor | None
 
 
+def _owned(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of a (small) weight the layer keeps after its HF module is released."""
+    return weight.detach().clone()
+
+
+def _own_plain(linear: PackedLinear) -> PackedLinear:
+    """`linear`, with its own copy of a plain weight it kept (not packed: no oneDNN) in place
+    of a view of the HF parameter about to be released (which may view a file mapping)."""
+    if linear.weight is not None:
+        linear.weight = linear.weight.clone()
+    return linear
+
+
+def _take_layer(layer_idx: int, layer: torch.nn.Module) -> _Layer:
+    """The fused layer; the HF layer's own parameters are released (see the module doc)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    with torch.no_grad():
+        fused = _Layer(
+            layer_idx=layer_idx,
+            qkv=PackedLinear(
+                torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                torch.cat(biases) if biases[0] is not None else None,
+            ),
+            o=_own_plain(PackedLinear(attn.o_proj.weight)),
+            gate_up=PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+            down=_own_plain(PackedLinear(mlp.down_proj.weight)),
+            ln_in=_owned(layer.input_layernorm.weight),
+            ln_post=_owned(layer.post_attention_layernorm.weight),
+            q_norm=_owned(attn.q_norm.weight) if hasattr(attn, "q_norm") else None,
+            k_norm=_owned(attn.k_norm.weight) if hasattr(attn, "k_norm") else None,
+        )
+    release_parameters(layer.modules())
+    return fused
+
+
 class FusedDecoder:
     """Runs `model.model` (a LlamaModel-like module) for one flattened step."""
 
@@ -55,26 +99,7 @@ class FusedDecoder:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scaling = self.head_dim**-0.5
-        self.layers = []
-        for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
-            self.layers.append(
-                _Layer(
-                    layer_idx=i,
-                    qkv=PackedLinear(
-                        torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                        torch.cat(biases) if biases[0] is not None else None,
-                    ),
-                    o=PackedLinear(attn.o_proj.weight),
-                    gate_up=PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-                    down=PackedLinear(mlp.down_proj.weight),
-                    ln_in=layer.input_layernorm.weight.detach(),
-                    ln_post=layer.post_attention_layernorm.weight.detach(),
-                    q_norm=attn.q_norm.weight.detach() if hasattr(attn, "q_norm") else None,
-                    k_norm=attn.k_norm.weight.detach() if hasattr(attn, "k_norm") else None,
-                )
-            )
+        self.layers = [_take_layer(i, layer) for i, layer in enumerate(model.layers)]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.intermediate = self.layers[0].down.in_features if self.layers else 0

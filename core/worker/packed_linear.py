@@ -1,16 +1,24 @@
-"""Linear layers with weights prepacked for oneDNN (CPU, float32).
+"""Linear layers with weights prepacked for oneDNN (CPU, float32), one copy of each weight.
 
 `torch.ops.mkldnn._linear_pointwise` on a weight reordered once by
 `_reorder_linear_weight` skips MKL's per-call packing and uses oneDNN's blocked GEMM.
 Measured on the embedded model with two threads (`python benchmarks/linear_split.py`): the
 30 layers' projections 1.3-1.4x faster than `split_linear` at 64 rows and ~1.6x at 2048
-(prefill); at one row (a batch-1 decode) `split_linear` streams the weights faster (the LM
-head 1.3x), so by default `PackedLinear` keeps the plain weight for that case too
-(`keep_weight_for_gemv`; the packed copy is the extra memory either way).
+(prefill).
 
-Without oneDNN (CUDA tensors, other dtypes, a torch built without mkldnn) `PackedLinear`
-falls back to `split_linear` on the plain weight. Results equal `F.linear` up to float
-summation order; outputs are row-major.
+A `PackedLinear` holds exactly one copy of its weight: the packed one when oneDNN takes it
+(the plain weight is dropped, so the caller's tensor can be freed), else the plain one, used
+through `split_linear` at every row count (CUDA tensors, dtypes other than float32, a torch
+built without mkldnn, or `pack=False`). One row (a batch-1 decode) goes through the packed
+weight too, rather than keeping a second, plain copy for `split_linear`: with one thread the
+30 layers' one-row GEMVs took the same time packed as plain (ratio 0.996), the LM head 0.79x;
+with two threads on a loaded 2-core machine the layers' ratio ranged 0.78-1.29 over three
+runs (no clean measurement; rerun `benchmarks/weights_memory.py --speed` on a quiet one).
+`keep_weight_for_gemv=True` restores the old two-copy layout (plain weight for one row,
+packed for more) for benchmarks only.
+
+Results equal `F.linear` up to float summation order; outputs are row-major for the packed
+path and may be column-major for `split_linear` (see there).
 """
 
 from __future__ import annotations
@@ -32,26 +40,46 @@ def onednn_usable(weight: torch.Tensor) -> bool:
     )
 
 
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The oneDNN-reordered copy of `weight`, or None where oneDNN cannot take it."""
+    if not onednn_usable(weight):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+    except RuntimeError:
+        return None
+
+
 class PackedLinear:
-    """`y = x @ weight.T + bias` for 2-D `x [rows, in]`, with the weight prepacked."""
+    """`y = x @ weight.T + bias` for 2-D `x [rows, in]`.
+
+    After construction exactly one of `packed` (oneDNN layout) and `weight` (the caller's
+    tensor, detached: the same storage, not a copy) is set, unless `keep_weight_for_gemv`
+    asks for both. `bias` is the caller's tensor, detached.
+    """
 
     def __init__(
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
-        keep_weight_for_gemv: bool = True,
+        keep_weight_for_gemv: bool = False,
+        pack: bool = True,
     ) -> None:
         weight = weight.detach()
         self.bias = bias.detach() if bias is not None else None
         self.out_features, self.in_features = weight.shape
-        self.packed: torch.Tensor | None = None
-        if onednn_usable(weight):
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
-            except RuntimeError:
-                self.packed = None
-        #: The plain weight, kept only when it is needed (fallback, or the 1-row path).
+        self.packed: torch.Tensor | None = _pack(weight) if pack else None
+        #: The plain weight, kept only without a packed one (or when asked to keep both).
         self.weight = weight if self.packed is None or keep_weight_for_gemv else None
+
+    def dense_weight(self) -> torch.Tensor:
+        """The plain `[out, in]` weight: the kept tensor itself, or a new tensor unpacked
+        (exactly) from the oneDNN copy, for callers that need rows of it (e.g. a drafter's
+        reduced vocabulary)."""
+        if self.weight is not None:
+            return self.weight
+        assert self.packed is not None
+        return self.packed.to_dense()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or (self.weight is not None and x.shape[0] == 1):

@@ -62,20 +62,34 @@ def _own_plain(linear: PackedLinear) -> PackedLinear:
     return linear
 
 
+def _owned_bias(linear: torch.nn.Module) -> torch.Tensor | None:
+    """The bias of an HF linear (Llama's `attention_bias` / `mlp_bias`), in owned memory."""
+    return linear.bias.detach().clone() if linear.bias is not None else None
+
+
+def _cat_bias(*linears: torch.nn.Module) -> torch.Tensor | None:
+    """The biases of linears fused into one, concatenated (None when they have none)."""
+    if linears[0].bias is None:
+        return None
+    return torch.cat([linear.bias.detach() for linear in linears])
+
+
 def _take_layer(layer_idx: int, layer: torch.nn.Module) -> _Layer:
     """The fused layer; the HF layer's own parameters are released (see the module doc)."""
     attn, mlp = layer.self_attn, layer.mlp
-    biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
     with torch.no_grad():
         fused = _Layer(
             layer_idx=layer_idx,
             qkv=PackedLinear(
                 torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                torch.cat(biases) if biases[0] is not None else None,
+                _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
             ),
-            o=_own_plain(PackedLinear(attn.o_proj.weight)),
-            gate_up=PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-            down=_own_plain(PackedLinear(mlp.down_proj.weight)),
+            o=_own_plain(PackedLinear(attn.o_proj.weight, _owned_bias(attn.o_proj))),
+            gate_up=PackedLinear(
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                _cat_bias(mlp.gate_proj, mlp.up_proj),
+            ),
+            down=_own_plain(PackedLinear(mlp.down_proj.weight, _owned_bias(mlp.down_proj))),
             ln_in=_owned(layer.input_layernorm.weight),
             ln_post=_owned(layer.post_attention_layernorm.weight),
             q_norm=_owned(attn.q_norm.weight) if hasattr(attn, "q_norm") else None,

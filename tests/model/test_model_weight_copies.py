@@ -139,3 +139,38 @@ def test_outputs_equal_transformers(arch: str, tiny_models, tied_llama: Path, hf
     expected = [hf_greedy(model_dir, p, 12, min_gap=1e-4) for p in prompts]
     assert single == expected[:1]
     assert batch == expected
+
+
+@pytest.fixture(scope="module")
+def biased_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with `attention_bias` and `mlp_bias`: every projection has a bias."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config.attention_bias = True
+    config.mlp_bias = True
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(TINY_SEEDS["llama"])
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        with torch.no_grad():  # biases start at zero: make them matter
+            for name, param in model.named_parameters():
+                if name.endswith("proj.bias"):
+                    param.normal_(0.0, 0.5)
+    finally:
+        torch.random.set_rng_state(state)
+    target = tmp_path_factory.mktemp("biased") / "llama"
+    model.save_pretrained(target)
+    return target
+
+
+def test_projection_biases_are_applied(biased_llama: Path, hf_greedy) -> None:
+    """o_proj and the MLP's biases (Llama `attention_bias` / `mlp_bias`) reach the output."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(4 + 5 * i)] for i in range(3)]
+    llm = LLM(model=str(biased_llama), max_model_len=64, num_kv_blocks=96, block_size=4)
+    try:
+        got = _greedy(llm, prompts, 10)
+    finally:
+        llm.engine.shutdown()
+    assert got == [hf_greedy(biased_llama, p, 10, min_gap=1e-4) for p in prompts]

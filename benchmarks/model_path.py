@@ -8,14 +8,17 @@ the attention registry. Writes benchmarks/results/model_path.json (medians of 3 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.core.worker.hf_model import HFStepModel
 
 ROOT = Path(__file__).resolve().parent
 
@@ -27,9 +30,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(async_scheduling=False, max_model_len=2048, worker_num_threads=args.threads)
-    model = llm.engine.executor.worker.model
-    fused = model.fused
+    kwargs = dict(async_scheduling=False, max_model_len=2048, worker_num_threads=args.threads)
+    # The fused decoder releases the HF layers' weights, so each arm loads its own model.
+    llms = {"fused_decoder": LLM(**kwargs)}
+    unfused = functools.partialmethod(HFStepModel.__init__, fused=False)
+    with mock.patch.object(HFStepModel, "__init__", unfused):
+        llms["hf_modules_registry"] = LLM(**kwargs)
     prompt = json.loads((ROOT / "workloads" / "latency.json").read_text())["requests"][0][
         "prompt_token_ids"
     ]
@@ -37,8 +43,7 @@ def main() -> None:
     ms: dict[str, list[float]] = {"fused_decoder": [], "hf_modules_registry": []}
     for _ in range(args.repeats):
         for name in ms:
-            model.fused = fused if name == "fused_decoder" else None
-            out = llm.generate([prompt], params)[0]
+            out = llms[name].generate([prompt], params)[0]
             m = out.metrics
             ms[name].append(1000 * (m.finished_time - m.first_token_time) / (args.tokens - 1))
     result = {

@@ -270,6 +270,16 @@ def _spawn(cmd: list[str], env_extra: dict[str, str]) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
+def _step_costs(threads: int, repeats: int, out: str | None) -> int:
+    """Run benchmarks/step_costs.py (a checkout only: it is no part of the package)."""
+    script = ROOT / "benchmarks" / "step_costs.py"
+    if not script.exists():
+        print(f"tandem bench: --step-costs needs a checkout ({script} is missing)", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, str(script), "--threads", str(threads), "--repeats", str(repeats)]
+    return subprocess.call(cmd + (["--out", out] if out else []))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem bench", description=__doc__)
     parser.add_argument(
@@ -293,8 +303,16 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="tandem override KEY=JSON, e.g. async_scheduling=false",
     )
+    parser.add_argument(
+        "--step-costs",
+        action="store_true",
+        help="instead: each step's wall time by phase at batch 64, sync and async, and a "
+        "prefill run (benchmarks/step_costs.py, in a checkout; --threads, --repeats apply)",
+    )
     parser.add_argument("--run-peer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.step_costs:
+        return _step_costs(args.threads, args.repeats, args.out)
     overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
     if args.run_peer:
         print(

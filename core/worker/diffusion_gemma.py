@@ -12,7 +12,9 @@ submodules in its own data flow (`diffusion_gemma_layers`, `diffusion_gemma_atte
   and MoE are skipped.
 - `denoise(canvas_ids, self_cond, context)`: the bidirectional decoder over one L-token
   canvas per request, batched across requests with different context lengths, attending
-  to each request's cached window through its block table; writes nothing. Returns the
+  to each request's cached window through its block table; writes nothing. The windows
+  are gathered once per canvas, not per step (`diffusion_gemma_context.ContextCache`;
+  `release_context(req_id)` drops a finished or preempted request's). Returns the
   reference's `DiffusionGemmaForBlockDiffusion.forward` logits: `lm_head` in float32 and
   `tanh(x / cap) * cap`.
 
@@ -40,9 +42,11 @@ from tandem.core.worker.diffusion_gemma_attention import (
     decoder_window,
     encoder_attention,
     encoder_windows,
+    grouped_decoder_attention,
     project_qkv,
 )
-from tandem.core.worker.diffusion_gemma_layers import attention_block, feed_forward
+from tandem.core.worker.diffusion_gemma_context import ContextCache, ContextGroup, row_windows
+from tandem.core.worker.diffusion_gemma_layers import Attend, attention_block, feed_forward
 from tandem.core.worker.flat_batch import FlatBatch
 from tandem.core.worker.kv_layer_groups import KVLayerGroup, KVPools, LayerKVShape, group_layers
 
@@ -98,6 +102,11 @@ class DiffusionGemmaModel:
         self.decoder = self.hf.model.decoder
         self.kv_groups = kv_layer_groups(text)
         self.kv = KVPools(self.kv_groups, num_blocks, block_size, dtype, device)
+        self.context_cache = ContextCache(block_size)
+
+    def release_context(self, req_id: str) -> None:
+        """Drop the decoder's gathered context of `req_id` (finished or preempted)."""
+        self.context_cache.release(req_id)
 
     def _window(self, layer: int) -> int | None:
         return self.kv.group_of(layer).sliding_window
@@ -186,21 +195,54 @@ class DiffusionGemmaModel:
         hidden = hidden.reshape(rows * length, -1)
         positions = context.canvas_positions(length).reshape(-1)
         rope = self._rope(self.decoder.rotary_emb, hidden, positions)
-        context_lens = context.context_lens.tolist()
-        windows = {
-            w: decoder_window(context.block_tables, context_lens, w, self.block_size)
-            for w in {g.sliding_window for g in self.kv_groups}
-        }
+        attends = self._decoder_attends(context, length)
         for i, layer in enumerate(self.decoder.layers):
             cos, sin = rope[self.text_config.layer_types[i]]
-            attend = partial(self._decoder_attend, i, windows[self._window(i)], rows)
-            hidden = feed_forward(layer, attention_block(layer, hidden, cos, sin, attend))
+            hidden = feed_forward(layer, attention_block(layer, hidden, cos, sin, attends[i]))
         hidden = self.decoder.norm(hidden)
         logits = self.hf.lm_head(hidden).to(torch.float32)
         cap = self.hf.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.view(rows, length, -1)
+
+    def _decoder_attends(self, context: DenoiseContext, length: int) -> list[Attend]:
+        """Each decoder layer's attention callback: over the context gathered once per
+        canvas (`ContextCache`), or gathered per step where a group is over budget."""
+        context_lens = context.context_lens.tolist()
+        rows = len(context_lens)
+        attends: dict[int, Attend] = {}
+        for w in {g.sliding_window for g in self.kv_groups}:
+            layers = [i for i in range(len(self.decoder.layers)) if self._window(i) == w]
+            pools = {i: self.kv.per_layer[i] for i in layers}
+            windows = row_windows(context.block_tables, context_lens, w, self.block_size)
+            group = self.context_cache.prepare(context.req_ids, windows, length, w, pools)
+            if group is not None:
+                attends.update({i: partial(self._grouped_attend, group, i, rows) for i in layers})
+                continue
+            keys = decoder_window(context.block_tables, context_lens, w, self.block_size)
+            attends.update({i: partial(self._decoder_attend, i, keys, rows) for i in layers})
+        return [attends[i] for i in range(len(self.decoder.layers))]
+
+    @staticmethod
+    def _grouped_attend(
+        group: ContextGroup,
+        layer: int,
+        rows: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> torch.Tensor:
+        """Canvas attention of flat `[R * L, H, D]` tensors over the gathered context."""
+        k_buf, v_buf = group.keys[layer]
+
+        def canvas(x: torch.Tensor) -> torch.Tensor:
+            return x.view(rows, -1, *x.shape[1:])
+
+        out = grouped_decoder_attention(
+            canvas(query), canvas(key), canvas(value), k_buf, v_buf, group.valid
+        )
+        return out.reshape(query.shape)
 
     def _decoder_attend(
         self,

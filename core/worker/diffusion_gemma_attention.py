@@ -33,13 +33,15 @@ class KeyWindow:
 
     `block_ids`: `[R * nb]` pool blocks to gather (row r: its table's blocks
     `lo_r // bs .. ceil(hi_r / bs) - 1`, padded with block 0); `valid`: `[R, N]` whether
-    gathered slot j holds a key inside the window; `positions`: `[R, N]` its position.
+    gathered slot j holds a key inside the window; `positions`: `[R, N]` its position;
+    `full`: every slot is valid (block-aligned windows of one width: nothing to zero).
     """
 
     block_ids: torch.Tensor
     num_rows: int
     valid: torch.Tensor
     positions: torch.Tensor
+    full: bool = False
 
 
 def key_window(
@@ -66,6 +68,10 @@ def key_window(
         num_rows=len(lo),
         valid=(positions >= lo_t) & (positions < hi_t),
         positions=positions,
+        full=all(
+            low == a * block_size and high == a * block_size + width * block_size
+            for low, high, a in zip(lo, hi, first, strict=True)
+        ),
     )
 
 
@@ -75,7 +81,8 @@ def gather_window(pool: torch.Tensor, window: KeyWindow) -> torch.Tensor:
     rows = window.num_rows
     slots = window.valid.shape[1]
     gathered = pool.index_select(0, window.block_ids).view(rows, slots, heads, dim)
-    gathered = gathered.masked_fill(~window.valid[:, :, None, None], 0)
+    if not window.full:
+        gathered = gathered.masked_fill(~window.valid[:, :, None, None], 0)
     return gathered.transpose(1, 2)
 
 
@@ -175,3 +182,29 @@ def decoder_attention(
         query.transpose(1, 2), k_all, v_all, attn_mask=visible, scale=1.0, enable_gqa=True
     )
     return attended.transpose(1, 2)
+
+
+def grouped_decoder_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    valid: torch.Tensor,
+) -> torch.Tensor:
+    """`decoder_attention` over pre-gathered buffers (`diffusion_gemma_context`): `k_buf`,
+    `v_buf` `[R, Hkv, C + L, D]` hold the context in their first C slots; this writes the
+    canvas key/value `[R, L, Hkv, D]` into the last L and attends with `valid [R, C + L]`.
+
+    Every canvas query of a row sees the same keys, so the G = Hq / Hkv query heads that
+    share a KV head (heads `kv * G .. kv * G + G - 1`, as `enable_gqa`) are folded into
+    the query length: one `[R, Hkv, G * L, D]` SDPA without GQA (each query row's
+    arithmetic is unchanged)."""
+    rows, length, heads, dim = query.shape
+    k_buf[:, :, -length:].copy_(key.transpose(1, 2))
+    v_buf[:, :, -length:].copy_(value.transpose(1, 2))
+    folded = query.transpose(1, 2).reshape(rows, k_buf.shape[1], -1, dim)
+    attended = F.scaled_dot_product_attention(
+        folded, k_buf, v_buf, attn_mask=valid[:, None, None, :], scale=1.0
+    )
+    return attended.view(rows, heads, length, dim).transpose(1, 2)

@@ -43,7 +43,8 @@ def route(router: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, 
 def moe_reference(
     experts: torch.nn.Module, hidden: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
 ) -> torch.Tensor:
-    """Mixture of experts, the reference loop (CPU; what transformers' eager path computes).
+    """Mixture of experts, the reference loop (what transformers' eager path computes); the
+    documented reference of `moe_grouped`, which the layers run.
 
     `experts.gate_up_proj` is `[E, 2 * I, H]`, `experts.down_proj` `[E, H, I]`. For each
     expert that some token picked: gather its tokens (`index_select`), `act(gate) * up`,
@@ -72,11 +73,54 @@ def moe_reference(
     return out
 
 
+def _grouped_mm_fits(experts: torch.nn.Module) -> bool:
+    """Whether `moe_grouped` runs `torch._grouped_mm` on these experts: CPU weights (the
+    only device it is checked on here), the op exists in this torch build, and every row
+    stride of the (transposed) weights is a multiple of 16 bytes (the op's requirement)."""
+    gate_up = experts.gate_up_proj  # [E, 2 * I, H]
+    size = gate_up.element_size()
+    aligned = all(d * size % 16 == 0 for d in (gate_up.shape[1] // 2, gate_up.shape[2]))
+    return gate_up.device.type == "cpu" and hasattr(torch, "_grouped_mm") and aligned
+
+
+def moe_grouped(
+    experts: torch.nn.Module, hidden: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    """`moe_reference`'s result with two grouped GEMMs and no per-expert host sync.
+
+    The `T * k` (token, expert) pairs are sorted by expert once (stable `argsort`), the
+    token rows permuted once, `gate_up_proj` and `down_proj` applied as one
+    `torch._grouped_mm` each over the E contiguous groups (offsets: cumulative
+    `bincount`), then scaled by the routing weights and `index_add_`-ed back. Each output
+    row is the same dot products as the reference's per-expert `F.linear` and each token
+    sums its k experts in the same ascending-expert order, so on this CPU build it equals
+    `moe_reference` bit for bit (tests/diffusion/test_diffusion_gemma_forward.py checks it).
+    Falls back to `moe_reference` where `_grouped_mm_fits` is False."""
+    if not _grouped_mm_fits(experts):
+        return moe_reference(experts, hidden, weights, index)
+    top_k = index.shape[1]
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts.gate_up_proj.shape[0])
+    offsets = torch.cumsum(counts, dim=0).to(torch.int32)
+    token = order // top_k
+    rows = hidden.index_select(0, token)
+    gate, up = torch._grouped_mm(rows, experts.gate_up_proj.transpose(1, 2), offs=offsets).chunk(
+        2, dim=-1
+    )
+    mixed = torch._grouped_mm(
+        experts.act_fn(gate) * up, experts.down_proj.transpose(1, 2), offs=offsets
+    )
+    mixed = mixed * weights.reshape(-1).index_select(0, order)[:, None]
+    out = torch.zeros_like(hidden)
+    return out.index_add_(0, token, mixed.to(out.dtype))
+
+
 def feed_forward(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """Dense MLP plus MoE branch and the residual, `[T, hidden]` -> `[T, hidden]`."""
     dense = layer.post_feedforward_layernorm_1(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
     weights, index = route(layer.router, hidden)
-    moe = moe_reference(layer.experts, layer.pre_feedforward_layernorm_2(hidden), weights, index)
+    moe = moe_grouped(layer.experts, layer.pre_feedforward_layernorm_2(hidden), weights, index)
     moe = layer.post_feedforward_layernorm_2(moe)
     out = hidden + layer.post_feedforward_layernorm(dense + moe)
     return out * layer.layer_scalar

@@ -16,6 +16,10 @@ L canvas positions.
   history (the next step encodes them) and start the next canvas; the others keep their
   canvas, self-conditioning logits and stopping state (`diffusion_state.CanvasState`).
 
+A finished or preempted request's decoder-side state is dropped too: its `CanvasState`
+and, when the model has `release_context(req_id)`, the context K/V the model gathered for
+its canvases (DiffusionGemma: `diffusion_gemma_context.ContextCache`).
+
 `ModelRunnerOutput.sampled_token_ids[i]` is the committed tokens of request i, or `[]`
 (no commit: a canvas step that goes on, or a causal-only step).
 """
@@ -66,9 +70,12 @@ class DiffusionRunner:
     # Executing a step ----------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
+        release = getattr(self.model, "release_context", None)  # optional on the model
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             ib.remove(req_id)
             self.states.forget(req_id)  # a preempted request restarts its canvas
+            if release is not None:
+                release(req_id)  # its blocks may be reused or recomputed
         for new in so.scheduled_new_reqs:
             ib.add(
                 new.req_id,

@@ -195,6 +195,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _write(results: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    plot(results, out.with_suffix(".png"))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(ALL_WORKLOADS))
@@ -229,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         "limit_requests": args.limit_requests,
         "workloads": {},
     }
+    out = Path(args.out)
     for name in args.workloads.split(","):
         workload = load_workload(name, args.limit_requests)
         fd, path = tempfile.mkstemp(prefix=f"shapes-{name}-", suffix=".json")
@@ -248,11 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarise_runs(workload, runs, limits)
         summary["load_average"] = {"before": load_before, "after": os.getloadavg()}
         results["workloads"][name] = summary
-    results["machine"]["load_average_end"] = os.getloadavg()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    plot(results, out.with_suffix(".png"))
+        results["machine"]["load_average_end"] = os.getloadavg()
+        _write(results, out)  # after every workload: a long run stopped early keeps its data
     table = {
         n: {k: w[k] for k in ("ratio", "ratio_ms_per_token", "ceiling_tokens_per_s")}
         | {p: w["peers"].get(p, {}).get("median_tokens_per_s") for p in PEERS}

@@ -204,11 +204,7 @@ class DiffusionScheduler(ReferenceScheduler):
             if stopped:
                 any_stopped = True
                 self._release(request)
-        if any_stopped:
-            self.running = [r for r in self.running if not r.is_finished]
-        if scheduler_output.total_num_scheduled_tokens > 0:
-            self.num_steps_in_flight -= 1
-            self.kv_cache_manager.mark_step_processed()
+        self._end_update(scheduler_output, any_stopped)
         return outputs
 
     @hookimpl

@@ -388,9 +388,13 @@ class ReferenceScheduler(TandemPlugin):
             if stopped:
                 any_stopped = True
                 self._release(request)
+        self._end_update(scheduler_output, any_stopped)
+        return outputs
+
+    def _end_update(self, scheduler_output: SchedulerOutput, any_stopped: bool) -> None:
+        """A step's results are in: drop stopped requests from RUNNING, retire the step."""
         if any_stopped:
             self.running = [r for r in self.running if not r.is_finished]
         if scheduler_output.total_num_scheduled_tokens > 0:
             self.num_steps_in_flight -= 1
             self.kv_cache_manager.mark_step_processed()
-        return outputs

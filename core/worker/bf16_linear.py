@@ -135,8 +135,8 @@ class Bf16Linear:
     """`y = x @ W.T + bias` for 2-D float32 `x [rows, in]`, W held once in bf16.
 
     After construction exactly one of `packed` (kernel panels) and `weight` (plain bf16
-    `[out, in]`, fallback only) is set; `bias` is a float32 copy of the caller's bias (or
-    None). The caller's weight is not referenced.
+    `[out, in]`, fallback only) is set; `bias` is the caller's bias as contiguous float32
+    (the same tensor when it already is), or None. The caller's weight is not referenced.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:

@@ -1,0 +1,96 @@
+// Fused element-wise operations of a Llama-family decoder layer, float32, CPU.
+//
+// Each replaces a chain of torch ops that each read and write the whole activation:
+//   rms_norm      out = w * (x * rsqrt(mean(x^2) + eps))                   (6 torch ops)
+//   add_rms_norm  h += delta; out = w * (h * rsqrt(mean(h^2) + eps))       (7 torch ops)
+//   rope          q, k inside the fused QKV output rotated in place by the cos/sin rows
+//                 of each token's position (rotate-half / NeoX layout)     (10 torch ops)
+//   silu_mul      out = silu(gate) * up, gate_up = [gate | up] per row       (3 torch ops)
+// The arithmetic follows the torch expressions term by term (same products, same order
+// of the final multiplications); only the reduction order of mean(x^2) differs, so
+// results match torch to float rounding, not bit for bit.
+//
+// All tensors are contiguous rows except where a row stride is passed. Rows are split
+// across OpenMP threads only when the work is large enough to pay for waking them.
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kParallelMinFloats = 1 << 15;
+
+inline float inv_rms(const float* x, int64_t n, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+}
+
+inline void scale_row(const float* x, const float* w, float r, float* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);
+}
+
+}  // namespace
+
+extern "C" int tandem_fused_ops_abi_version() { return 1; }
+
+extern "C" void tandem_rms_norm_f32(const float* x, const float* w, float* out, int64_t rows,
+                                    int64_t cols, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * cols >= kParallelMinFloats)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * cols;
+    scale_row(xr, w, inv_rms(xr, cols, eps), out + r * cols, cols);
+  }
+}
+
+extern "C" void tandem_add_rms_norm_f32(float* h, const float* delta, const float* w, float* out,
+                                        int64_t rows, int64_t cols, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * cols >= kParallelMinFloats)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* hr = h + r * cols;
+    const float* dr = delta + r * cols;
+#pragma omp simd
+    for (int64_t i = 0; i < cols; ++i) hr[i] += dr[i];
+    scale_row(hr, w, inv_rms(hr, cols, eps), out + r * cols, cols);
+  }
+}
+
+// qkv: [rows, row_stride]; the first q_heads * head_dim floats of a row are the query heads,
+// the next kv_heads * head_dim the key heads. cos, sin: [num_positions, head_dim].
+extern "C" void tandem_rope_f32(float* qkv, const int64_t* positions, const float* cos,
+                                const float* sin, int64_t rows, int64_t row_stride,
+                                int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                int num_threads) {
+  const int64_t half = head_dim / 2;
+  const int64_t heads = q_heads + kv_heads;
+#pragma omp parallel for num_threads(num_threads) if (rows * heads * head_dim >= kParallelMinFloats)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos + positions[r] * head_dim;
+    const float* s = sin + positions[r] * head_dim;
+    for (int64_t hd = 0; hd < heads; ++hd) {
+      float* x = qkv + r * row_stride + hd * head_dim;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = x[i];
+        const float b = x[i + half];
+        x[i] = a * c[i] + (-b) * s[i];
+        x[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}
+
+// gate_up: [rows, 2 * cols] (gate then up); out: [rows, cols].
+extern "C" void tandem_silu_mul_f32(const float* gate_up, float* out, int64_t rows, int64_t cols,
+                                    int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * cols >= kParallelMinFloats / 4)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate_up + r * 2 * cols;
+    const float* u = g + cols;
+    float* o = out + r * cols;
+#pragma omp simd
+    for (int64_t i = 0; i < cols; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+}

@@ -12,7 +12,10 @@ new keys and values at `slot_mapping`, then attends:
   groups of similar length, one batched SDPA per group over the gathered contexts, masked
   to each query's length;
 - longer prefill chunks one request at a time (a handful per step), causal with the
-  chunk's offset into its context, SDPA over the gathered context.
+  chunk's offset into its context. On CPU (`_prefill_split`): two mask-free flash calls,
+  causal over the chunk's own fresh keys (no gather), and, with a cached prefix, unmasked
+  over the prefix gathered from the pools, merged by their logsumexps; elsewhere
+  (`_prefill_gathered`): SDPA over the gathered context with a causal-with-offset mask.
 
 The pools are allocated unfilled (`torch.empty`), so a slot nobody wrote may hold NaN.
 Every path keeps such garbage away from the softmax: the CPU kernel reads and weighs only
@@ -185,6 +188,11 @@ def _gather(pool: torch.Tensor, block_ids: torch.Tensor, rows: int) -> torch.Ten
     return pool.index_select(0, block_ids).view(rows, -1, heads, dim).transpose(1, 2)
 
 
+def _gather_rows(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """`[1, kv_heads, len, head_dim]` context of one request's blocks (`_gather`, one row)."""
+    return _gather(pool, block_ids, 1)
+
+
 def _gather_transposed(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """`[1, kv_heads, len, head_dim]` keys of the given blocks from a transposed key pool."""
     _, heads, dim, block_size = pool.shape
@@ -202,6 +210,111 @@ def _write_kv(
         k_pool.view(-1).index_copy_(0, meta.key_write_index, key.to(k_pool.dtype).reshape(-1))
     else:
         k_pool.view(-1, *key.shape[1:]).index_copy_(0, meta.slot_mapping, key.to(k_pool.dtype))
+
+
+#: The CPU flash-attention op: like SDPA, but it also returns each query's logsumexp,
+#: which lets two attentions over disjoint key sets merge exactly (see `_prefill_split`).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _prefill_gathered(
+    paged: PagedAttentionMetadata,
+    layer_idx: int,
+    qp: torch.Tensor,
+    span: PrefillSpan,
+    scaling: float | None,
+) -> torch.Tensor:
+    """`[1, Hq, n, D]` attention of a prefill chunk over its whole context gathered from the
+    pools (this step's keys written first), masked to the chunk's offset. Any device."""
+    k_pool, v_pool = paged.kv_caches[layer_idx]
+    if paged.keys_transposed:
+        kp = _gather_transposed(k_pool, span.block_ids)
+    else:
+        kp = _gather(k_pool, span.block_ids, 1)
+    vp = _gather(v_pool, span.block_ids, 1)
+    n = qp.shape[2]
+    context = span.context_start + n  # every position below it is written: no garbage
+    kp, vp = kp[:, :, :context].to(qp.dtype), vp[:, :, :context].to(qp.dtype)
+    if span.context_start == 0:
+        return F.scaled_dot_product_attention(
+            qp, kp, vp, is_causal=True, scale=scaling, enable_gqa=True
+        )
+    qpos = torch.arange(span.context_start, context, device=qp.device)
+    mask = torch.arange(context, device=qp.device)[None, :] <= qpos[:, None]
+    return F.scaled_dot_product_attention(
+        qp, kp, vp, attn_mask=mask, scale=scaling, enable_gqa=True
+    )
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """`t`, copied if its last dimension is strided: the flash op reads rows as dense
+    vectors (SDPA checks this before calling it; a direct call must). A one-block
+    `_gather_transposed` is such a view."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _prefill_split(
+    paged: PagedAttentionMetadata,
+    layer_idx: int,
+    qp: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    span: PrefillSpan,
+    scaling: float | None,
+    out: torch.Tensor,
+) -> None:
+    """CPU: the chunk's attention written into `out` `[n, Hq, D]`, as two mask-free flash
+    calls: causal over its own fresh keys `kc`/`vc` `[1, Hkv, n, D]` (no gather), and,
+    with a cached prefix, unmasked over the prefix's `context_start` keys gathered from
+    the pools (only the blocks holding them); merged by their logsumexps. An explicit
+    causal-with-offset mask instead makes the flash kernel compute every masked block."""
+    prefix = span.context_start
+    if prefix == 0:
+        op = F.scaled_dot_product_attention(
+            qp, kc, vc, is_causal=True, scale=scaling, enable_gqa=True
+        )
+        out.copy_(op[0].transpose(0, 1))
+        return
+    assert _FLASH_CPU is not None
+    k_pool, v_pool = paged.kv_caches[layer_idx]
+    blocks = span.block_ids[: -(-prefix // paged.block_size)]
+    gather_keys = _gather_transposed if paged.keys_transposed else _gather_rows
+    kp = gather_keys(k_pool, blocks)
+    vp = _gather(v_pool, blocks, 1)
+    kp, vp = kp[:, :, :prefix].to(qp.dtype), vp[:, :, :prefix].to(qp.dtype)
+    qp, kc, vc, kp, vp = (_unit_stride(t) for t in (qp, kc, vc, kp, vp))
+    o_chunk, lse_chunk = _FLASH_CPU(qp, kc, vc, 0.0, True, scale=scaling)
+    o_prefix, lse_prefix = _FLASH_CPU(qp, kp, vp, 0.0, False, scale=scaling)
+    # softmax over both key sets = o_chunk + w (o_prefix - o_chunk), w = the prefix's share
+    weight = torch.sigmoid(lse_prefix - lse_chunk)[0].transpose(0, 1)[..., None]  # [n, Hq, 1]
+    torch.lerp(
+        o_chunk[0].transpose(0, 1), o_prefix[0].transpose(0, 1), weight.to(out.dtype), out=out
+    )
+
+
+def _attend_prefill(
+    paged: PagedAttentionMetadata,
+    layer_idx: int,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    span: PrefillSpan,
+    scaling: float | None,
+    out: torch.Tensor,
+) -> None:
+    """One prefill chunk: `q`/`out` `[T, Hq, D]`, `key`/`value` this step's `[1, Hkv, T, D]`
+    (already written to the pools). CPU with the flash op: `_prefill_split`; otherwise
+    `_prefill_gathered`."""
+    s, e = span.token_start, span.token_end
+    qp = q[s:e].transpose(0, 1)[None]  # [1, Hq, n, D]
+    if q.device.type != "cpu" or _FLASH_CPU is None:
+        out[s:e] = _prefill_gathered(paged, layer_idx, qp, span, scaling)[0].transpose(0, 1)
+        return
+    k_pool, v_pool = paged.kv_caches[layer_idx]
+    # Through the pool dtype, as the gathered path would see them (a no-op when equal).
+    kc = key[:, :, s:e].to(k_pool.dtype).to(qp.dtype)
+    vc = value[:, :, s:e].to(v_pool.dtype).to(qp.dtype)
+    _prefill_split(paged, layer_idx, qp, kc, vc, span, scaling, out[s:e])
 
 
 def paged_attention(
@@ -255,26 +368,7 @@ def paged_attention(
         )
         out.index_copy_(0, group.token_idx, od[:, :, 0, :])
     for span in paged.prefills:
-        qp = q[span.token_start : span.token_end].transpose(0, 1)[None]  # [1, Hq, n, D]
-        if paged.keys_transposed:
-            kp = _gather_transposed(k_pool, span.block_ids)
-        else:
-            kp = _gather(k_pool, span.block_ids, 1)
-        vp = _gather(v_pool, span.block_ids, 1)
-        n = span.token_end - span.token_start
-        context = span.context_start + n  # every position below it is written: no garbage
-        kp, vp = kp[:, :, :context].to(qp.dtype), vp[:, :, :context].to(qp.dtype)
-        if span.context_start == 0:
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, is_causal=True, scale=scaling, enable_gqa=True
-            )
-        else:
-            qpos = torch.arange(span.context_start, context, device=q.device)
-            mask = torch.arange(context, device=q.device)[None, :] <= qpos[:, None]
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=mask, scale=scaling, enable_gqa=True
-            )
-        out[span.token_start : span.token_end] = op[0].transpose(0, 1)
+        _attend_prefill(paged, module.layer_idx, q, key, value, span, scaling, out)
     return out[None], None
 
 

@@ -139,6 +139,7 @@ class ParallelConfig(_Section):
     `resolve_config`) to `OMP_NUM_THREADS` when set, else the CPUs this process may run on
     (`os.sched_getaffinity`). With the `inprocess` and `thread` executors the worker lives
     in the caller's process, so this is the whole process's torch thread count.
+    `cpu_bind` pins those threads (`core/worker/cpu_affinity.py`; docs/cpu-threads.md).
     """
 
     executor: Literal["inprocess", "thread", "process", "simulated"] = "inprocess"
@@ -148,6 +149,11 @@ class ParallelConfig(_Section):
         ge=1,
         description="torch threads of the worker; null: OMP_NUM_THREADS if set, else the "
         "CPUs this process may use",
+    )
+    cpu_bind: str = Field(
+        "none",
+        description="pin the worker's threads to CPUs: 'none', 'auto' (one CPU each, the "
+        "last ones this process may use) or a CPU list like '0-3,8'",
     )
     simulated_device: SimulatedDeviceConfig = Field(default_factory=SimulatedDeviceConfig)
     #: Where the resolved `worker_num_threads` came from, in words (set by `resolve_config`).

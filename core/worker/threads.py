@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
-from tandem.config import EngineConfig
+from tandem.config import ConfigError, EngineConfig
+from tandem.core.worker.cpu_affinity import cpu_list, pin_threads
 
 logger = logging.getLogger("tandem.config")
 
@@ -35,9 +36,15 @@ def resolve_worker_threads(config: EngineConfig) -> None:
         parallel.worker_num_threads, parallel._threads_from = default_worker_threads()
     else:
         parallel._threads_from = "parallel.worker_num_threads"
+    if parallel.executor != "simulated":
+        try:
+            cpu_list(parallel.cpu_bind, parallel.worker_num_threads)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 _announced_threads: int | None = None
+_pinned: list[int] | None = None
 
 
 def set_worker_threads(config: EngineConfig) -> None:
@@ -45,16 +52,20 @@ def set_worker_threads(config: EngineConfig) -> None:
     thread the worker runs on. With the `inprocess` and `thread` executors that is the
     caller's process, so the count is process-wide: it is set only when it differs from
     the current one and logged (INFO) once per distinct value. The engine never changes
-    the thread count for its own sake."""
+    the thread count for its own sake. With `parallel.cpu_bind` other than `none` the
+    threads are then pinned (once per distinct CPU list in a process)."""
     import torch
 
-    global _announced_threads
+    global _announced_threads, _pinned
     if config.parallel.worker_num_threads is None:  # a config built without resolve_config
         resolve_worker_threads(config)
     threads = config.parallel.worker_num_threads
     assert threads is not None
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+    cpus = cpu_list(config.parallel.cpu_bind, threads)
+    if cpus is not None and cpus != _pinned and pin_threads(cpus):
+        _pinned = cpus
     if _announced_threads != threads:
         _announced_threads = threads
         shared = config.parallel.executor in ("inprocess", "thread")

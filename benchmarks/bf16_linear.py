@@ -1,9 +1,9 @@
 """bf16-weight `Bf16Linear` against float32 `PackedLinear` (oneDNN) and bf16 `F.linear`.
 
 SmolLM2-135M's projection shapes (qkv 576->960, o 576->576, gate_up 576->3072, down
-1536->576, LM head 576->49152) at 1, 64 and 2048 rows, with 1 and 2 threads. Each timing
-cycles through enough copies of the weight (>= 64 MB of float32) that one-row products
-stream their weights from memory as in a real decode step; GFLOP/s are per product,
+1536->576, LM head 576->49152) at 1, 64 and 2048 rows, with 1 and 2 threads. One-row timings
+cycle through enough copies of the weight (>= 64 MB of float32) that the products stream
+their weights from memory as in a real decode step; GFLOP/s are per product,
 medians (and bests) over interleaved repeats, capped in time. The LM head is skipped at 2048
 rows (prefill computes logits for the last rows only).
 

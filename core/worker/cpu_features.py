@@ -40,8 +40,9 @@ def warn_if_bf16_emulated() -> bool:
     if has_bf16_units():
         return False
     logger.warning(
-        "model.dtype: bfloat16 on this CPU (no %s) is emulated and slower than float32; "
-        "dtype: auto or float32 runs faster here",
+        "model.dtype: bfloat16 on this CPU (no %s) is emulated: weights and the KV cache are "
+        "stored in bfloat16 and computed in float32 (weight-only bf16), no faster and often "
+        "slower than float32; dtype: auto or float32 is recommended on this CPU",
         " / ".join(BF16_FLAGS),
     )
     return True

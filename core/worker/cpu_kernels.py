@@ -33,7 +33,9 @@ logger = logging.getLogger("tandem.worker")
 CSRC = Path(__file__).resolve().parent / "csrc"
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
 LINK_FLAGS = ("-shared", "-fopenmp")
-PAGED_DECODE_ABI = 2
+#: The KV pool dtypes the decode kernel reads.
+KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16)
+PAGED_DECODE_ABI = 3
 
 
 def _cpu_identity() -> str:
@@ -81,10 +83,13 @@ class PagedDecodeKernel:
     """`csrc/paged_decode.cpp`: decode attention reading the paged pools in place.
 
     Key pools are laid out `[num_blocks, kv_heads, head_dim, block_size]`, value pools
-    `[num_blocks, block_size, kv_heads, head_dim]`; float32 CPU tensors, contiguous.
+    `[num_blocks, block_size, kv_heads, head_dim]`; contiguous CPU tensors, both float32
+    (`function`) or both bfloat16 (`function_bf16`: read as raw bits, widened to float32 in
+    the kernel, float32 scores and accumulation). Queries and the output are float32.
     """
 
     function: ctypes._CFuncPtr  # type: ignore[name-defined]
+    function_bf16: ctypes._CFuncPtr  # type: ignore[name-defined]
 
     def __call__(
         self,
@@ -95,13 +100,18 @@ class PagedDecodeKernel:
         seq_lens: torch.Tensor,  # [R] int64
         scale: float,
     ) -> torch.Tensor:
-        """Attention output `[R, Hq, D]` of each request's single query token."""
-        query = query.contiguous()
+        """Attention output `[R, Hq, D]` of each request's single query token, in the
+        query's dtype (computed in float32)."""
+        if key_pool.dtype != value_pool.dtype or key_pool.dtype not in KERNEL_POOL_DTYPES:
+            raise TypeError(f"decode kernel pools must be float32 or bfloat16: {key_pool.dtype}")
+        query_dtype = query.dtype
+        query = query.float().contiguous()
         num_requests, q_heads, head_dim = query.shape
         _, kv_heads, _, block_size = key_pool.shape
         out = torch.empty_like(query)
+        function = self.function if key_pool.dtype == torch.float32 else self.function_bf16
         if num_requests:
-            self.function(
+            function(
                 query.data_ptr(),
                 key_pool.data_ptr(),
                 value_pool.data_ptr(),
@@ -117,7 +127,7 @@ class PagedDecodeKernel:
                 scale,
                 torch.get_num_threads(),
             )
-        return out
+        return out.to(query_dtype)
 
 
 @functools.cache
@@ -136,8 +146,9 @@ def paged_decode_kernel() -> PagedDecodeKernel | None:
     if library.tandem_paged_decode_abi_version() != PAGED_DECODE_ABI:
         logger.warning("CPU decode kernel ABI mismatch, using torch SDPA")
         return None
-    fn = library.tandem_paged_decode_f32
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
-    fn.restype = None
-    return PagedDecodeKernel(fn)
+    functions = (library.tandem_paged_decode_f32, library.tandem_paged_decode_bf16)
+    for fn in functions:
+        fn.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
+        fn.restype = None
+    return PagedDecodeKernel(*functions)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.core.worker.linear_choice import cpu_bf16_linear
 from tandem.core.worker.packed_linear import PackedLinear
 from tandem.core.worker.paged_attention import PagedAttentionMetadata, paged_attention
 from tandem.core.worker.weight_release import release_parameters
@@ -49,9 +50,28 @@ class _Layer:
     k_norm: torch.Tensor | None
 
 
-def _owned(weight: torch.Tensor) -> torch.Tensor:
-    """A copy of a (small) weight the layer keeps after its HF module is released."""
-    return weight.detach().clone()
+def _owned(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A copy of a (small) weight the layer keeps after its HF module is released (in
+    `dtype`: float32 norms over bfloat16 weights on the CPU)."""
+    return weight.detach().to(dtype or weight.dtype, copy=True)
+
+
+class _Float32Embedding:
+    """The HF embedding's lookup, widened to float32 (bfloat16 on CPU: the activations and
+    the residual stream are float32; the table stays the model's, in bfloat16)."""
+
+    def __init__(self, embedding: torch.nn.Module) -> None:
+        self.embedding = embedding
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(input_ids).float()
+
+
+def float32_compute(causal_lm: torch.nn.Module) -> bool:
+    """bfloat16 weights on the CPU: stored in bfloat16, computed in float32 (the linears
+    from `linear_choice.cpu_bf16_linear`, float32 activations, norms and logits)."""
+    weight = causal_lm.get_input_embeddings().weight
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16
 
 
 def _own_plain(linear: PackedLinear) -> PackedLinear:
@@ -74,26 +94,44 @@ def _cat_bias(*linears: torch.nn.Module) -> torch.Tensor | None:
     return torch.cat([linear.bias.detach() for linear in linears])
 
 
-def _take_layer(layer_idx: int, layer: torch.nn.Module) -> _Layer:
-    """The fused layer; the HF layer's own parameters are released (see the module doc)."""
+def _linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, fresh: bool, bf16_cpu: bool
+) -> PackedLinear:
+    """The layer's linear over `weight` (`fresh`: a new tensor, not a view of the HF
+    parameter): bfloat16 on CPU -> `cpu_bf16_linear` (float32 in and out), else a
+    `PackedLinear` owning its weight."""
+    if bf16_cpu:
+        return cpu_bf16_linear(weight, bias)  # type: ignore[return-value]  # same interface
+    linear = PackedLinear(weight, bias)
+    return linear if fresh else _own_plain(linear)
+
+
+def _take_layer(layer_idx: int, layer: torch.nn.Module, bf16_cpu: bool = False) -> _Layer:
+    """The fused layer; the HF layer's own parameters are released (see the module doc).
+    `bf16_cpu`: bfloat16 weights computed in float32 (`float32_compute`)."""
     attn, mlp = layer.self_attn, layer.mlp
+    norm_dtype = torch.float32 if bf16_cpu else None
     with torch.no_grad():
         fused = _Layer(
             layer_idx=layer_idx,
-            qkv=PackedLinear(
+            qkv=_linear(
                 torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
                 _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+                True,
+                bf16_cpu,
             ),
-            o=_own_plain(PackedLinear(attn.o_proj.weight, _owned_bias(attn.o_proj))),
-            gate_up=PackedLinear(
+            o=_linear(attn.o_proj.weight, _owned_bias(attn.o_proj), False, bf16_cpu),
+            gate_up=_linear(
                 torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
                 _cat_bias(mlp.gate_proj, mlp.up_proj),
+                True,
+                bf16_cpu,
             ),
-            down=_own_plain(PackedLinear(mlp.down_proj.weight, _owned_bias(mlp.down_proj))),
-            ln_in=_owned(layer.input_layernorm.weight),
-            ln_post=_owned(layer.post_attention_layernorm.weight),
-            q_norm=_owned(attn.q_norm.weight) if hasattr(attn, "q_norm") else None,
-            k_norm=_owned(attn.k_norm.weight) if hasattr(attn, "k_norm") else None,
+            down=_linear(mlp.down_proj.weight, _owned_bias(mlp.down_proj), False, bf16_cpu),
+            ln_in=_owned(layer.input_layernorm.weight, norm_dtype),
+            ln_post=_owned(layer.post_attention_layernorm.weight, norm_dtype),
+            q_norm=_owned(attn.q_norm.weight, norm_dtype) if hasattr(attn, "q_norm") else None,
+            k_norm=_owned(attn.k_norm.weight, norm_dtype) if hasattr(attn, "k_norm") else None,
         )
     release_parameters(layer.modules())
     return fused
@@ -105,15 +143,19 @@ class FusedDecoder:
     def __init__(self, causal_lm: torch.nn.Module) -> None:
         model = causal_lm.model
         cfg = causal_lm.config
-        self.embed = model.embed_tokens
+        #: bfloat16 weights on CPU, float32 activations (see `float32_compute`).
+        self.bf16_cpu = float32_compute(causal_lm)
+        self.embed = _Float32Embedding(model.embed_tokens) if self.bf16_cpu else model.embed_tokens
         self.rotary = model.rotary_emb
-        self.norm_weight = model.norm.weight
+        self.norm_weight = (
+            _owned(model.norm.weight, torch.float32) if self.bf16_cpu else model.norm.weight
+        )
         self.eps = cfg.rms_norm_eps
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scaling = self.head_dim**-0.5
-        self.layers = [_take_layer(i, layer) for i, layer in enumerate(model.layers)]
+        self.layers = [_take_layer(i, layer, self.bf16_cpu) for i, layer in enumerate(model.layers)]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.intermediate = self.layers[0].down.in_features if self.layers else 0

@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from tandem.core.worker.cpu_features import warn_if_bf16_emulated
-from tandem.core.worker.cpu_kernels import PagedDecodeKernel
+from tandem.core.worker.cpu_kernels import KERNEL_POOL_DTYPES, PagedDecodeKernel
 from tandem.core.worker.flat_batch import FlatBatch
-from tandem.core.worker.fused_decoder import FusedDecoder
+from tandem.core.worker.fused_decoder import FusedDecoder, float32_compute
+from tandem.core.worker.linear_choice import Linear, cpu_bf16_linear
 from tandem.core.worker.packed_linear import PackedLinear
 from tandem.core.worker.paged_attention import ATTENTION_NAME, build_metadata
 from tandem.core.worker.weight_release import own_remaining_parameters, release_parameters
@@ -23,9 +24,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is bfloat16 on CUDA and float32 on CPU (tandem's CPU fast paths, oneDNN
-    prepacked weights and the compiled decode kernel, are float32). An explicit bfloat16 on a
-    CPU without bf16 units (AVX512-BF16 or AMX) runs, emulated, and says so once."""
+    """`auto` is bfloat16 on CUDA and float32 on CPU (never bfloat16 there: where the CPU
+    has no bf16 units it is no faster, and it is less exact). An explicit bfloat16 on a CPU
+    without bf16 units (AVX512-BF16 or AMX) runs (weights and KV in bfloat16, float32
+    compute) and says so once."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name == "bfloat16" and device.type == "cpu":
@@ -48,7 +50,20 @@ def _plain_lm_head(causal_lm: torch.nn.Module) -> PackedLinear:
     return PackedLinear(head.weight, head.bias, pack=False)
 
 
-def _take_lm_head(causal_lm: torch.nn.Module) -> PackedLinear:
+def _take_bf16_lm_head(causal_lm: torch.nn.Module) -> Linear:
+    """bfloat16 on CPU: the head as a float32-in/out linear over its own bfloat16 copy
+    (`cpu_bf16_linear`); an untied head's parameter is released, a tied one stays the
+    embedding's table (the same two copies as the float32 path keeps)."""
+    head = causal_lm.lm_head
+    tied = head.weight is causal_lm.get_input_embeddings().weight
+    linear = cpu_bf16_linear(head.weight, head.bias)
+    if not tied:
+        release_parameters([head])
+    own_remaining_parameters(causal_lm)
+    return linear
+
+
+def _take_lm_head(causal_lm: torch.nn.Module) -> PackedLinear | Linear:
     """The LM head, packed for oneDNN where it can be, after the fused decoder took the
     layers; what the model still holds then becomes its own memory (`weight_release`).
 
@@ -59,6 +74,8 @@ def _take_lm_head(causal_lm: torch.nn.Module) -> PackedLinear:
     the weight beside a oneDNN handle): the packed LM-head GEMM took 0.74-0.88x the time of
     `split_linear` on the plain weight at 1 and at 64 rows (medians, one and two threads).
     """
+    if float32_compute(causal_lm):
+        return _take_bf16_lm_head(causal_lm)
     head = causal_lm.lm_head
     tied = head.weight is causal_lm.get_input_embeddings().weight
     packed = PackedLinear(head.weight, head.bias, pack=True)
@@ -91,8 +108,9 @@ class HFStepModel:
         fused: bool = True,
         decode_kernel: PagedDecodeKernel | None = None,
     ) -> None:
-        """`decode_kernel` (float32 CPU only) attends decodes in place; the key pools are then
-        laid out for it, transposed per block."""
+        """`decode_kernel` (CPU, float32 or bfloat16) attends decodes in place; the key pools
+        are then laid out for it, transposed per block. bfloat16 on CPU keeps weights and
+        the KV pools in bfloat16 and computes in float32 (`fused_decoder.float32_compute`)."""
         from transformers import AutoModelForCausalLM
 
         from tandem.core.worker.model_files import quiet_loading
@@ -109,8 +127,8 @@ class HFStepModel:
         self.fused = FusedDecoder(self.model) if fused else None
         self.lm_head = _take_lm_head(self.model) if fused else _plain_lm_head(self.model)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        if decode_kernel is not None and (dtype != torch.float32 or device.type != "cpu"):
-            raise ValueError("the CPU decode kernel needs float32 weights on the CPU")
+        if decode_kernel is not None and (dtype not in KERNEL_POOL_DTYPES or device.type != "cpu"):
+            raise ValueError("the CPU decode kernel needs float32 or bfloat16 on the CPU")
         self.decode_kernel = decode_kernel
         self.keep_hidden_states = False
         self.last_hidden_states: torch.Tensor | None = None

@@ -143,8 +143,11 @@ class HFModelLoader:
 
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = resolve_dtype(config.model.dtype, device)
+        # The decode kernel reads float32 and bfloat16 pools (issue 16 item 3).
         use_kernel = (
-            config.model.attention == "auto" and device.type == "cpu" and dtype == torch.float32
+            config.model.attention == "auto"
+            and device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)
         )
         assert config.cache.num_kv_blocks is not None
         return HFStepModel(

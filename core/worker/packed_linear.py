@@ -17,6 +17,11 @@ runs (no clean measurement; rerun `benchmarks/weights_memory.py --speed` on a qu
 `keep_weight_for_gemv=True` restores the old two-copy layout (plain weight for one row,
 packed for more) for benchmarks only.
 
+bfloat16 weights are packed too where the CPU has bf16 units (`cpu_features.has_bf16_units`)
+and oneDNN reorders them: the call then casts a float32 input to bfloat16 for the GEMM and
+returns float32 (`linear_choice.cpu_bf16_linear` picks this; without units bfloat16 weights
+are not packed here).
+
 Results equal `F.linear` up to float summation order; outputs are row-major for the packed
 path and may be column-major for `split_linear` (see there).
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem.core.worker.cpu_features import has_bf16_units
 from tandem.core.worker.split_linear import split_linear
 
 #: The batch size oneDNN is told to expect when reordering (a hint; any row count works).
@@ -32,9 +38,13 @@ PACK_ROWS_HINT = 64
 
 
 def onednn_usable(weight: torch.Tensor) -> bool:
+    """float32 CPU weights, and bfloat16 ones where the CPU has bf16 units."""
+    dtype_ok = weight.dtype == torch.float32 or (
+        weight.dtype == torch.bfloat16 and has_bf16_units()
+    )
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.float32
+        and dtype_ok
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
@@ -85,4 +95,9 @@ class PackedLinear:
         if self.packed is None or (self.weight is not None and x.shape[0] == 1):
             assert self.weight is not None
             return split_linear(x, self.weight, self.bias)
+        if self.packed.dtype == torch.bfloat16:  # bf16 GEMM, float32 in and out
+            y = torch.ops.mkldnn._linear_pointwise(
+                x.to(torch.bfloat16), self.packed, self.bias, "none", [], ""
+            )
+            return y.float()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -1,8 +1,11 @@
 // Decode attention over paged KV pools: one query token per request, read in place.
 //
-// k_pool: [num_blocks, kv_heads, head_dim, block_size] float32 (keys transposed per block,
-//         so a block's scores are head_dim vector FMAs across its tokens, no reductions).
-// v_pool: [num_blocks, block_size, kv_heads, head_dim] float32.
+// k_pool: [num_blocks, kv_heads, head_dim, block_size] (keys transposed per block, so a
+//         block's scores are head_dim vector FMAs across its tokens, no reductions).
+// v_pool: [num_blocks, block_size, kv_heads, head_dim].
+// The pools are float32 (`tandem_paged_decode_f32`) or bfloat16 (`tandem_paged_decode_bf16`,
+//         uint16 storage: each value widened to float32 exactly by a 16-bit shift as it is
+//         read; everything else, scores, softmax and accumulation, is float32).
 // q, out: [num_requests, q_heads, head_dim] float32.
 // block_tables: [num_requests, max_blocks] int64; seq_lens: [num_requests] int64 (keys to
 //         attend, the new token's included; its K/V are already written).
@@ -21,10 +24,12 @@
 
 namespace {
 
+// T: the pools' element type, float or uint16_t (bfloat16 bits).
+template <typename T>
 struct Problem {
   const float* q;
-  const float* k_pool;
-  const float* v_pool;
+  const T* k_pool;
+  const T* v_pool;
   const int64_t* block_tables;
   const int64_t* seq_lens;
   float* out;
@@ -45,11 +50,35 @@ inline Vec load(const float* p) {
   return v;
 }
 
+// bfloat16 is the top half of a float32: widening is a shift, exact.
+typedef uint16_t HalfBits __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t WideBits __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline Vec load(const uint16_t* p) {
+  HalfBits h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  const WideBits w = __builtin_convertvector(h, WideBits) << 16;
+  Vec v;
+  __builtin_memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(uint16_t x) {
+  const uint32_t w = static_cast<uint32_t>(x) << 16;
+  float f;
+  __builtin_memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
 inline void store(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
-void prefetch_block(const float* p, int64_t floats) {
+template <typename T>
+void prefetch_block(const T* p, int64_t elements) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < floats * 4; off += 64) __builtin_prefetch(c + off);
+  const int64_t bytes = elements * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
 // Normalised softmax of s[0..len) in place.
@@ -66,8 +95,8 @@ void softmax(float* s, int64_t len) {
 }
 
 // One (request, kv head) item; D, BS, G > 0 are compile-time sizes, 0 means "read from p".
-template <int D_, int BS_, int G_>
-void decode_item(const Problem& p, int64_t r, int64_t h, float* scores, int64_t padded) {
+template <typename T, int D_, int BS_, int G_>
+void decode_item(const Problem<T>& p, int64_t r, int64_t h, float* scores, int64_t padded) {
   const int64_t D = D_ ? D_ : p.head_dim;
   const int64_t BS = BS_ ? BS_ : p.block_size;
   const int64_t G = G_ ? G_ : p.q_heads / p.kv_heads;
@@ -80,7 +109,7 @@ void decode_item(const Problem& p, int64_t r, int64_t h, float* scores, int64_t 
   for (int64_t b = 0; b < std::min<int64_t>(kPrefetchBlocks, num_blocks); ++b)
     prefetch_block(p.k_pool + (table[b] * p.kv_heads + h) * D * BS, D * BS);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* kt = p.k_pool + (table[b] * p.kv_heads + h) * D * BS;
+    const T* kt = p.k_pool + (table[b] * p.kv_heads + h) * D * BS;
     // The pages are scattered, so the hardware prefetcher cannot run ahead: fetch the keys a
     // few blocks ahead, and this block's values for the second pass.
     if (b + kPrefetchBlocks < num_blocks)
@@ -99,7 +128,7 @@ void decode_item(const Problem& p, int64_t r, int64_t h, float* scores, int64_t 
         std::fill(s, s + BS, 0.f);
         for (int64_t d = 0; d < D; ++d) {
           const float qd = qv[d] * p.scale;
-          for (int64_t t = 0; t < BS; ++t) s[t] += qd * kt[d * BS + t];
+          for (int64_t t = 0; t < BS; ++t) s[t] += qd * to_float(kt[d * BS + t]);
         }
       }
     }
@@ -111,7 +140,7 @@ void decode_item(const Problem& p, int64_t r, int64_t h, float* scores, int64_t 
     constexpr int kChunks = D_ / kLanes;
     Vec acc[G_][kChunks] = {};
     for (int64_t t = 0; t < len; ++t) {
-      const float* v = p.v_pool + (table[t / BS] * BS + t % BS) * v_row + h * D;
+      const T* v = p.v_pool + (table[t / BS] * BS + t % BS) * v_row + h * D;
       Vec row[kChunks];
       for (int c = 0; c < kChunks; ++c) row[c] = load(v + c * kLanes);
       for (int g = 0; g < G_; ++g) {
@@ -124,60 +153,79 @@ void decode_item(const Problem& p, int64_t r, int64_t h, float* scores, int64_t 
   } else {
     std::fill(o, o + G * D, 0.f);
     for (int64_t t = 0; t < len; ++t) {
-      const float* v = p.v_pool + (table[t / BS] * BS + t % BS) * v_row + h * D;
+      const T* v = p.v_pool + (table[t / BS] * BS + t % BS) * v_row + h * D;
       for (int64_t g = 0; g < G; ++g) {
         const float w = scores[g * padded + t];
-        for (int64_t d = 0; d < D; ++d) o[g * D + d] += w * v[d];
+        for (int64_t d = 0; d < D; ++d) o[g * D + d] += w * to_float(v[d]);
       }
     }
   }
 }
 
-using ItemFn = void (*)(const Problem&, int64_t, int64_t, float*, int64_t);
+template <typename T>
+using ItemFn = void (*)(const Problem<T>&, int64_t, int64_t, float*, int64_t);
 
-template <int D, int BS>
-ItemFn pick_group(int64_t g) {
+template <typename T, int D, int BS>
+ItemFn<T> pick_group(int64_t g) {
   switch (g) {
-    case 1: return decode_item<D, BS, 1>;
-    case 2: return decode_item<D, BS, 2>;
-    case 3: return decode_item<D, BS, 3>;
-    case 4: return decode_item<D, BS, 4>;
-    case 5: return decode_item<D, BS, 5>;
-    case 6: return decode_item<D, BS, 6>;
-    case 7: return decode_item<D, BS, 7>;
-    case 8: return decode_item<D, BS, 8>;
-    default: return decode_item<0, 0, 0>;
+    case 1: return decode_item<T, D, BS, 1>;
+    case 2: return decode_item<T, D, BS, 2>;
+    case 3: return decode_item<T, D, BS, 3>;
+    case 4: return decode_item<T, D, BS, 4>;
+    case 5: return decode_item<T, D, BS, 5>;
+    case 6: return decode_item<T, D, BS, 6>;
+    case 7: return decode_item<T, D, BS, 7>;
+    case 8: return decode_item<T, D, BS, 8>;
+    default: return decode_item<T, 0, 0, 0>;
   }
 }
 
-ItemFn pick(int64_t head_dim, int64_t block_size, int64_t group) {
-  if (block_size == 16 && head_dim == 64) return pick_group<64, 16>(group);
-  if (block_size == 16 && head_dim == 128) return pick_group<128, 16>(group);
-  return decode_item<0, 0, 0>;
+template <typename T>
+ItemFn<T> pick(int64_t head_dim, int64_t block_size, int64_t group) {
+  if (block_size == 16 && head_dim == 64) return pick_group<T, 64, 16>(group);
+  if (block_size == 16 && head_dim == 128) return pick_group<T, 128, 16>(group);
+  return decode_item<T, 0, 0, 0>;
+}
+
+template <typename T>
+void run(const Problem<T>& p, int64_t num_requests, int num_threads) {
+  const int64_t group = p.q_heads / p.kv_heads;
+  const ItemFn<T> item_fn = pick<T>(p.head_dim, p.block_size, group);
+  int64_t longest = 0;
+  for (int64_t r = 0; r < num_requests; ++r) longest = std::max(longest, p.seq_lens[r]);
+  const int64_t padded = (longest + p.block_size - 1) / p.block_size * p.block_size;
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> scores(group * padded);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_requests * p.kv_heads; ++item)
+      item_fn(p, item / p.kv_heads, item % p.kv_heads, scores.data(), padded);
+  }
 }
 
 }  // namespace
 
-extern "C" int tandem_paged_decode_abi_version() { return 2; }
+extern "C" int tandem_paged_decode_abi_version() { return 3; }
 
 extern "C" void tandem_paged_decode_f32(const float* q, const float* k_pool, const float* v_pool,
                                         const int64_t* block_tables, const int64_t* seq_lens,
                                         float* out, int64_t num_requests, int64_t q_heads,
                                         int64_t kv_heads, int64_t head_dim, int64_t block_size,
                                         int64_t max_blocks, float scale, int num_threads) {
-  const Problem p{q,        k_pool,   v_pool,     block_tables, seq_lens, out,  q_heads,
-                  kv_heads, head_dim, block_size, max_blocks,   scale};
-  const int64_t group = q_heads / kv_heads;
-  const ItemFn item_fn = pick(head_dim, block_size, group);
-  int64_t longest = 0;
-  for (int64_t r = 0; r < num_requests; ++r) longest = std::max(longest, seq_lens[r]);
-  const int64_t padded = (longest + block_size - 1) / block_size * block_size;
+  const Problem<float> p{q,        k_pool,   v_pool,     block_tables, seq_lens, out,  q_heads,
+                         kv_heads, head_dim, block_size, max_blocks,   scale};
+  run(p, num_requests, num_threads);
+}
 
-#pragma omp parallel num_threads(num_threads)
-  {
-    std::vector<float> scores(group * padded);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_requests * kv_heads; ++item)
-      item_fn(p, item / kv_heads, item % kv_heads, scores.data(), padded);
-  }
+// The same with bfloat16 pools (raw uint16 bits); q and out stay float32.
+extern "C" void tandem_paged_decode_bf16(const float* q, const uint16_t* k_pool,
+                                         const uint16_t* v_pool, const int64_t* block_tables,
+                                         const int64_t* seq_lens, float* out,
+                                         int64_t num_requests, int64_t q_heads, int64_t kv_heads,
+                                         int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                                         float scale, int num_threads) {
+  const Problem<uint16_t> p{q,        k_pool,   v_pool,     block_tables, seq_lens, out,  q_heads,
+                            kv_heads, head_dim, block_size, max_blocks,   scale};
+  run(p, num_requests, num_threads);
 }

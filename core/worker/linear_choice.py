@@ -1,0 +1,64 @@
+"""Which linear a bfloat16 weight gets on the CPU, where activations stay float32.
+
+In bfloat16 mode on the CPU tandem stores weights (and the KV cache) in bfloat16 and
+computes in float32: activations, the residual stream, norms and logits are float32. Each
+linear then takes float32 `x [rows, in]` and returns float32 `y [rows, out]`:
+
+- with bf16 units (AVX512-BF16 / AMX, `cpu_features.has_bf16_units`) and a oneDNN that
+  reorders the bfloat16 weight: `PackedLinear` on the prepacked bfloat16 weight (the input
+  is cast to bfloat16 for the GEMM, the output back to float32);
+- otherwise `bf16_linear.Bf16Linear`: weight-only bfloat16 (the weight in a packed panel
+  layout, float32 products and accumulation; its own torch fallback without a compiler).
+
+Either holds one bfloat16 copy of the weight in its own memory (never a view of the
+caller's tensor, which may be released or map the checkpoint file), and its own bias.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from tandem.core.worker.bf16_linear import Bf16Linear
+from tandem.core.worker.cpu_features import has_bf16_units
+from tandem.core.worker.packed_linear import PackedLinear
+
+
+class Linear(Protocol):
+    """The interface the fused decoder and the LM head use (`PackedLinear`'s)."""
+
+    out_features: int
+    in_features: int
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def dense_weight(self) -> torch.Tensor: ...
+
+
+def _onednn_bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
+    """A `PackedLinear` on the oneDNN-reordered bfloat16 weight, or None where there are no
+    bf16 units or oneDNN does not reorder it."""
+    if not has_bf16_units():
+        return None
+    linear = PackedLinear(weight.to(torch.bfloat16), bias, pack=True)
+    if linear.packed is None:
+        return None
+    if linear.bias is not None:
+        linear.bias = linear.bias.to(torch.bfloat16).clone()
+    return linear
+
+
+def cpu_bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """The float32-in, float32-out linear over a bfloat16 copy of `weight [out, in]` (see
+    the module docstring for the choice)."""
+    weight = weight.detach()
+    bias = bias.detach() if bias is not None else None
+    packed = _onednn_bf16(weight, bias)
+    if packed is not None:
+        return packed
+    linear = Bf16Linear(weight.to(torch.bfloat16), bias)
+    if linear.weight is not None and linear.weight.data_ptr() == weight.data_ptr():
+        linear.weight = linear.weight.clone()  # its fallback kept the caller's tensor
+    return linear

@@ -4,7 +4,9 @@ Same math as the HF modules (RMSNorm, RoPE from the model's rotary module, GQA a
 SwiGLU MLP; Qwen2's QKV bias, Qwen3's per-head q/k norms), but with the Q, K and V
 projections fused into one matmul and gate and up into another, and no per-module Python:
 121 linear calls per token for a 30-layer model instead of 211. Linear weights are
-prepacked for oneDNN on CPU (`PackedLinear`).
+prepacked for oneDNN on CPU (`PackedLinear`). The element-wise steps between the linears
+(residual add + RMS norm, RoPE in place, SiLU * up) are one compiled kernel each on CPU
+(`decoder_elementwise`).
 
 The decoder takes the layers' weights: once a layer is built, every parameter of the HF
 layer (projections, their biases, the norms) is released (a meta tensor, see
@@ -19,22 +21,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from tandem.core.worker.decoder_elementwise import (
+    Elementwise,
+    RotaryTable,
+    TorchElementwise,
+    pick_elementwise,
+)
 from tandem.core.worker.linear_choice import cpu_bf16_linear
 from tandem.core.worker.packed_linear import PackedLinear
 from tandem.core.worker.paged_attention import PagedAttentionMetadata, paged_attention
 from tandem.core.worker.weight_release import release_parameters
 
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+_TORCH = TorchElementwise()
 
 
 @dataclass(slots=True)
@@ -146,7 +145,7 @@ class FusedDecoder:
         #: bfloat16 weights on CPU, float32 activations (see `float32_compute`).
         self.bf16_cpu = float32_compute(causal_lm)
         self.embed = _Float32Embedding(model.embed_tokens) if self.bf16_cpu else model.embed_tokens
-        self.rotary = model.rotary_emb
+        self.rotary_table = RotaryTable(model.rotary_emb)
         self.norm_weight = (
             _owned(model.norm.weight, torch.float32) if self.bf16_cpu else model.norm.weight
         )
@@ -158,30 +157,42 @@ class FusedDecoder:
         self.layers = [_take_layer(i, layer, self.bf16_cpu) for i, layer in enumerate(model.layers)]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.intermediate = self.layers[0].down.in_features if self.layers else 0
+        self._elementwise_key: tuple[torch.device, torch.dtype] | None = None
+        self._elementwise: Elementwise = TorchElementwise()
+
+    def _elementwise_for(self, h: torch.Tensor) -> Elementwise:
+        key = (h.device, h.dtype)
+        if self._elementwise_key != key:
+            self._elementwise_key = key
+            self._elementwise = pick_elementwise(h.device, h.dtype)
+        return self._elementwise
 
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata
     ) -> torch.Tensor:
-        """Hidden states `[T, hidden]` after the final norm."""
+        """Hidden states `[T, hidden]` after the final norm.
+
+        Per layer: QKV projection, RoPE in place on its output, paged attention, O
+        projection added to the residual stream together with the next RMS norm, gate/up
+        projection, SiLU * up, down projection added likewise (the last one with the
+        final norm)."""
         h = self.embed(input_ids)
-        cos, sin = self.rotary(h[None], positions[None])
-        cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, D]
+        ew = self._elementwise_for(h)
+        rope_rows = self.rotary_table.rows_for(positions)
         tokens = h.shape[0]
-        for layer in self.layers:
-            x = _rms_norm(h, layer.ln_in, self.eps)
-            qkv = layer.qkv(x)
+        norm_weights = [layer.ln_in for layer in self.layers[1:]] + [self.norm_weight]
+        x = ew.rms_norm(h, self.layers[0].ln_in, self.eps) if self.layers else h
+        for layer, next_norm in zip(self.layers, norm_weights, strict=True):
+            qkv = layer.qkv(x).contiguous()
+            if layer.q_norm is not None:
+                self._norm_heads_(qkv, layer, tokens)
+            ew.rope_(qkv, rope_rows, self.num_heads, self.num_kv_heads)
             q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
                 tokens, self.num_kv_heads, self.head_dim
             )
             v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
-            if layer.q_norm is not None:
-                q = _rms_norm(q, layer.q_norm, self.eps)
-                k = _rms_norm(k, layer.k_norm, self.eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
             attn, _ = paged_attention(
                 layer,  # exposes layer_idx, as an HF attention module does
                 q.transpose(0, 1)[None],
@@ -191,10 +202,18 @@ class FusedDecoder:
                 scaling=self.scaling,
                 paged=meta,
             )
-            h = h + layer.o(attn.reshape(tokens, self.q_size))
-            x = _rms_norm(h, layer.ln_post, self.eps)
-            gate_up = layer.gate_up(x)
-            h = h + layer.down(
-                F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+            x = ew.add_rms_norm_(
+                h, layer.o(attn.reshape(tokens, self.q_size)), layer.ln_post, self.eps
             )
-        return _rms_norm(h, self.norm_weight, self.eps)
+            x = ew.add_rms_norm_(h, layer.down(ew.silu_mul(layer.gate_up(x))), next_norm, self.eps)
+        return x if self.layers else ew.rms_norm(h, self.norm_weight, self.eps)
+
+    def _norm_heads_(self, qkv: torch.Tensor, layer: _Layer, tokens: int) -> None:
+        """Qwen3's per-head RMS norms of the query and key heads, written back into `qkv`."""
+        assert layer.q_norm is not None and layer.k_norm is not None
+        q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+            tokens, self.num_kv_heads, self.head_dim
+        )
+        q.copy_(_TORCH.rms_norm(q, layer.q_norm, self.eps))
+        k.copy_(_TORCH.rms_norm(k, layer.k_norm, self.eps))

@@ -11,11 +11,12 @@
 // from torch's (k split into blocks, small row counts split k over several accumulators).
 //
 // Work: a 6-row x 16-column register tile (12 ymm accumulators) streams one panel's k
-// range; panels are split between threads (rows too when there are fewer panels than
-// threads). Rows are blocked by kRowBlock (the x block stays in L2 while the thread's
-// panels pass over it); k only when very large (a panel and a tile's x rows stay in L2:
-// L2 bandwidth covers the ~10 bytes/cycle a tile reads, and blocking k at 256 or 512 to
-// stay in L1 measured slower at k = 576 and 1536, from the partial sums' round trips).
+// range. Panels are split between threads in dynamically scheduled chunks (rows too when
+// there are fewer panels than threads). Rows are blocked by kRowBlock (the x block stays
+// in L2 while the thread's panels pass over it); k only when very large (a panel and a
+// tile's x rows stay in L2: L2 bandwidth covers the ~10 bytes/cycle a tile reads, and
+// blocking k at 256 or 512 to stay in L1 measured slower at k = 576 and 1536, from the
+// partial sums' round trips).
 
 #include <algorithm>
 #include <cstdint>
@@ -220,17 +221,22 @@ void run_item(const Gemm& g, int64_t r0, int64_t r1, int64_t p0, int64_t p1, boo
   }
 }
 
-// Splits panels between threads, rows as well when panels are fewer than threads.
+// Splits panels between threads (rows as well when panels are fewer than threads) into
+// up to kChunksPerThread contiguous chunks per thread, handed out dynamically: a thread
+// the OS delays (another process on its core) then costs its share of chunks, not half
+// of the product.
+constexpr int64_t kChunksPerThread = 4;
+
 void run(const Gemm& g, int threads, bool portable) {
   const int64_t panels = (g.n + kPanel - 1) / kPanel;
   const int64_t tiles = (g.m + kTileRows - 1) / kTileRows;
   if (g.m <= 0 || panels <= 0) return;
   const int64_t want = std::max(threads, 1);
-  const int64_t cols = std::min(panels, want);
-  const int64_t row_parts = std::min(tiles, (want + cols - 1) / cols);
+  const int64_t row_parts = std::min(tiles, (want + panels - 1) / panels);
+  const int64_t cols = want == 1 ? 1 : std::min(panels, want * kChunksPerThread);
   const int64_t items = cols * row_parts;
   const int workers = static_cast<int>(std::min(items, want));
-#pragma omp parallel for schedule(static) num_threads(workers) if (workers > 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(workers) if (workers > 1)
   for (int64_t item = 0; item < items; ++item) {
     const int64_t c = item % cols;
     const int64_t r = item / cols;

@@ -63,7 +63,7 @@ class DraftModelDrafter:
         device = target.device
         weights = getattr(getattr(target, "model", None), "dtype", None)
         dtype = weights if isinstance(weights, torch.dtype) else torch.float32
-        use_kernel = device.type == "cpu" and dtype == torch.float32
+        use_kernel = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
         model = HFStepModel(
             model_dir=resolve_model_dir(self.model_name),
             dtype=dtype,

@@ -14,8 +14,11 @@
 // Work item = (request, kv head): the q_heads / kv_heads query heads of a GQA group share
 // one pass over the group's keys, a softmax, and one pass over its values. Each key and
 // value is read once; nothing is gathered or copied. Common shapes (head_dim 64 or 128,
-// block_size 16, up to 8 query heads per KV head) are compiled with those sizes fixed so
-// the accumulators live in registers; other shapes take the generic loop.
+// block_size 16, up to 8 query heads per KV head) are compiled with those sizes fixed and
+// native-width vectors, so the accumulators live in registers; other shapes take the
+// generic loop. Measured with one thread, SmolLM2's shape (3 KV heads x 3 query heads,
+// head_dim 64), 64 requests of 95-190 keys: 0.68 ms per layer call, ~21 GB/s of KV read,
+// against 5.0 ms with 16-float vectors (which GCC kept on the stack on AVX2).
 
 #include <algorithm>
 #include <cmath>
@@ -39,9 +42,14 @@ struct Problem {
 
 constexpr int64_t kPrefetchBlocks = 4;
 
-// 16 floats; GCC vector extensions, so any target compiles it (one AVX-512 register, two
-// AVX2 ones, or four SSE ones).
+// The native vector: GCC vector extensions, so any target compiles it (one AVX-512
+// register of 16 floats, one AVX2 register of 8, or two SSE ones). A wider type than the
+// hardware's makes GCC keep the accumulators on the stack.
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline Vec load(const float* p) {
@@ -81,83 +89,112 @@ void prefetch_block(const T* p, int64_t elements) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
-// Normalised softmax of s[0..len) in place.
+// Normalised softmax of s[0..len) in place (the loops vectorise, exp included).
 void softmax(float* s, int64_t len) {
   float peak = s[0];
   for (int64_t t = 1; t < len; ++t) peak = std::max(peak, s[t]);
   float total = 0.f;
+#pragma omp simd reduction(+ : total)
   for (int64_t t = 0; t < len; ++t) {
-    s[t] = std::exp(s[t] - peak);
-    total += s[t];
+    const float e = std::exp(s[t] - peak);
+    s[t] = e;
+    total += e;
   }
   const float inv = 1.f / total;
+#pragma omp simd
   for (int64_t t = 0; t < len; ++t) s[t] *= inv;
 }
 
-// One (request, kv head) item; D, BS, G > 0 are compile-time sizes, 0 means "read from p".
-template <typename T, int D_, int BS_, int G_>
-void decode_item(const Problem<T>& p, int64_t r, int64_t h, float* scores, int64_t padded) {
-  const int64_t D = D_ ? D_ : p.head_dim;
-  const int64_t BS = BS_ ? BS_ : p.block_size;
-  const int64_t G = G_ ? G_ : p.q_heads / p.kv_heads;
+// The specialised item: block size 16, head_dim D a multiple of 16, G query heads per KV
+// head. Scores: per key-dimension d one load of the block's 16 keys serves all G heads
+// (G x 16 / kLanes accumulators). Values: per 16-wide slice of head_dim, G x 16 / kLanes
+// accumulators over every key, so the accumulators stay in registers for G up to 7.
+constexpr int64_t kBlock = 16;
+constexpr int kPerSlice = 16 / kLanes;
+
+template <typename T, int D, int G>
+void decode_item_fast(const Problem<T>& p, int64_t r, int64_t h, float* scores, int64_t padded) {
+  const int64_t len = p.seq_lens[r];
+  const int64_t num_blocks = (len + kBlock - 1) / kBlock;
+  const int64_t* table = p.block_tables + r * p.max_blocks;
+  const int64_t v_row = p.kv_heads * D;
+  float qs[G][D];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) qs[g][d] = p.q[(r * p.q_heads + h * G + g) * D + d] * p.scale;
+
+  auto key_block = [&](int64_t b) { return p.k_pool + (table[b] * p.kv_heads + h) * D * kBlock; };
+  for (int64_t b = 0; b < std::min<int64_t>(kPrefetchBlocks, num_blocks); ++b)
+    prefetch_block(key_block(b), D * kBlock);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    // The pages are scattered, so the hardware prefetcher cannot run ahead of them.
+    if (b + kPrefetchBlocks < num_blocks) prefetch_block(key_block(b + kPrefetchBlocks), D * kBlock);
+    const T* kt = key_block(b);
+    Vec acc[G][kPerSlice] = {};
+    for (int d = 0; d < D; ++d) {
+      Vec k[kPerSlice];
+      for (int c = 0; c < kPerSlice; ++c) k[c] = load(kt + d * kBlock + c * kLanes);
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < kPerSlice; ++c) acc[g][c] += qs[g][d] * k[c];
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < kPerSlice; ++c) store(scores + g * padded + b * kBlock + c * kLanes, acc[g][c]);
+  }
+  for (int g = 0; g < G; ++g) softmax(scores + g * padded, len);
+
+  float* o = p.out + (r * p.q_heads + h * G) * D;
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    Vec acc[G][kPerSlice] = {};
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const T* vb = p.v_pool + table[b] * kBlock * v_row + h * D + d0;
+      if (b + 2 < num_blocks) {
+        const T* ahead = p.v_pool + table[b + 2] * kBlock * v_row + h * D + d0;
+        for (int64_t t = 0; t < kBlock; ++t) __builtin_prefetch(ahead + t * v_row);
+      }
+      const int64_t rows = std::min<int64_t>(kBlock, len - b * kBlock);
+      const float* w = scores + b * kBlock;
+      for (int64_t t = 0; t < rows; ++t) {
+        Vec v[kPerSlice];
+        for (int c = 0; c < kPerSlice; ++c) v[c] = load(vb + t * v_row + c * kLanes);
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < kPerSlice; ++c) acc[g][c] += w[g * padded + t] * v[c];
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < kPerSlice; ++c) store(o + g * D + d0 + c * kLanes, acc[g][c]);
+  }
+}
+
+// Any other shape: D, BS, G read from p.
+template <typename T>
+void decode_item_generic(const Problem<T>& p, int64_t r, int64_t h, float* scores, int64_t padded) {
+  const int64_t D = p.head_dim;
+  const int64_t BS = p.block_size;
+  const int64_t G = p.q_heads / p.kv_heads;
   const int64_t len = p.seq_lens[r];
   const int64_t num_blocks = (len + BS - 1) / BS;
   const int64_t* table = p.block_tables + r * p.max_blocks;
   const float* qg = p.q + (r * p.q_heads + h * G) * D;
   const int64_t v_row = p.kv_heads * D;
-
-  for (int64_t b = 0; b < std::min<int64_t>(kPrefetchBlocks, num_blocks); ++b)
-    prefetch_block(p.k_pool + (table[b] * p.kv_heads + h) * D * BS, D * BS);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const T* kt = p.k_pool + (table[b] * p.kv_heads + h) * D * BS;
-    // The pages are scattered, so the hardware prefetcher cannot run ahead: fetch the keys a
-    // few blocks ahead, and this block's values for the second pass.
-    if (b + kPrefetchBlocks < num_blocks)
-      prefetch_block(p.k_pool + (table[b + kPrefetchBlocks] * p.kv_heads + h) * D * BS, D * BS);
-    for (int64_t row = 0; row < BS; ++row)
-      prefetch_block(p.v_pool + (table[b] * BS + row) * v_row + h * D, D);
     for (int64_t g = 0; g < G; ++g) {
       const float* qv = qg + g * D;
       float* s = scores + g * padded + b * BS;
-      if constexpr (BS_ == kLanes) {  // one vector of scores; four chains hide FMA latency
-        Vec acc[4] = {};
-        for (int64_t d = 0; d < D; d += 4)
-          for (int c = 0; c < 4; ++c) acc[c] += (qv[d + c] * p.scale) * load(kt + (d + c) * BS_);
-        store(s, (acc[0] + acc[1]) + (acc[2] + acc[3]));
-      } else {
-        std::fill(s, s + BS, 0.f);
-        for (int64_t d = 0; d < D; ++d) {
-          const float qd = qv[d] * p.scale;
-          for (int64_t t = 0; t < BS; ++t) s[t] += qd * to_float(kt[d * BS + t]);
-        }
+      std::fill(s, s + BS, 0.f);
+      for (int64_t d = 0; d < D; ++d) {
+        const float qd = qv[d] * p.scale;
+        for (int64_t t = 0; t < BS; ++t) s[t] += qd * to_float(kt[d * BS + t]);
       }
     }
   }
   for (int64_t g = 0; g < G; ++g) softmax(scores + g * padded, len);
-
   float* o = p.out + (r * p.q_heads + h * G) * D;
-  if constexpr (D_ > 0 && G_ > 0 && D_ % kLanes == 0) {
-    constexpr int kChunks = D_ / kLanes;
-    Vec acc[G_][kChunks] = {};
-    for (int64_t t = 0; t < len; ++t) {
-      const T* v = p.v_pool + (table[t / BS] * BS + t % BS) * v_row + h * D;
-      Vec row[kChunks];
-      for (int c = 0; c < kChunks; ++c) row[c] = load(v + c * kLanes);
-      for (int g = 0; g < G_; ++g) {
-        const float w = scores[g * padded + t];
-        for (int c = 0; c < kChunks; ++c) acc[g][c] += w * row[c];
-      }
-    }
-    for (int g = 0; g < G_; ++g)
-      for (int c = 0; c < kChunks; ++c) store(o + g * D_ + c * kLanes, acc[g][c]);
-  } else {
-    std::fill(o, o + G * D, 0.f);
-    for (int64_t t = 0; t < len; ++t) {
-      const T* v = p.v_pool + (table[t / BS] * BS + t % BS) * v_row + h * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float w = scores[g * padded + t];
-        for (int64_t d = 0; d < D; ++d) o[g * D + d] += w * to_float(v[d]);
-      }
+  std::fill(o, o + G * D, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = p.v_pool + (table[t / BS] * BS + t % BS) * v_row + h * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = scores[g * padded + t];
+      for (int64_t d = 0; d < D; ++d) o[g * D + d] += w * to_float(v[d]);
     }
   }
 }
@@ -165,26 +202,26 @@ void decode_item(const Problem<T>& p, int64_t r, int64_t h, float* scores, int64
 template <typename T>
 using ItemFn = void (*)(const Problem<T>&, int64_t, int64_t, float*, int64_t);
 
-template <typename T, int D, int BS>
+template <typename T, int D>
 ItemFn<T> pick_group(int64_t g) {
   switch (g) {
-    case 1: return decode_item<T, D, BS, 1>;
-    case 2: return decode_item<T, D, BS, 2>;
-    case 3: return decode_item<T, D, BS, 3>;
-    case 4: return decode_item<T, D, BS, 4>;
-    case 5: return decode_item<T, D, BS, 5>;
-    case 6: return decode_item<T, D, BS, 6>;
-    case 7: return decode_item<T, D, BS, 7>;
-    case 8: return decode_item<T, D, BS, 8>;
-    default: return decode_item<T, 0, 0, 0>;
+    case 1: return decode_item_fast<T, D, 1>;
+    case 2: return decode_item_fast<T, D, 2>;
+    case 3: return decode_item_fast<T, D, 3>;
+    case 4: return decode_item_fast<T, D, 4>;
+    case 5: return decode_item_fast<T, D, 5>;
+    case 6: return decode_item_fast<T, D, 6>;
+    case 7: return decode_item_fast<T, D, 7>;
+    case 8: return decode_item_fast<T, D, 8>;
+    default: return decode_item_generic<T>;
   }
 }
 
 template <typename T>
 ItemFn<T> pick(int64_t head_dim, int64_t block_size, int64_t group) {
-  if (block_size == 16 && head_dim == 64) return pick_group<T, 64, 16>(group);
-  if (block_size == 16 && head_dim == 128) return pick_group<T, 128, 16>(group);
-  return decode_item<T, 0, 0, 0>;
+  if (block_size == kBlock && head_dim == 64) return pick_group<T, 64>(group);
+  if (block_size == kBlock && head_dim == 128) return pick_group<T, 128>(group);
+  return decode_item_generic<T>;
 }
 
 template <typename T>

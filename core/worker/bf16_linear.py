@@ -136,7 +136,9 @@ class Bf16Linear:
 
     After construction exactly one of `packed` (kernel panels) and `weight` (plain bf16
     `[out, in]`, fallback only) is set; `bias` is the caller's bias as contiguous float32
-    (the same tensor when it already is), or None. The caller's weight is not referenced.
+    (the same tensor when it already is), or None. With the kernel the caller's weight is
+    not referenced; the fallback's `weight` is the caller's tensor itself when that is
+    already contiguous bfloat16 (as `PackedLinear` keeps its plain weight), else a copy.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:

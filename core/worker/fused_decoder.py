@@ -3,10 +3,11 @@
 Same math as the HF modules (RMSNorm, RoPE from the model's rotary module, GQA attention,
 SwiGLU MLP; Qwen2's QKV bias, Qwen3's per-head q/k norms), but with the Q, K and V
 projections fused into one matmul and gate and up into another, and no per-module Python:
-121 linear calls per token for a 30-layer model instead of 211. Linear weights are
-prepacked for oneDNN on CPU (`PackedLinear`). The element-wise steps between the linears
-(residual add + RMS norm, RoPE in place, SiLU * up) are one compiled kernel each on CPU
-(`decoder_elementwise`).
+121 linear calls per token for a 30-layer model instead of 211. Linear weights on CPU are
+packed once: into 16-column panels for the compiled GEMM (`F32PanelLinear`), or for
+oneDNN (`PackedLinear`) where that kernel does not build (`linear_choice`). The
+element-wise steps between the linears (residual add + RMS norm, RoPE in place, SiLU *
+up) are one compiled kernel each on CPU (`decoder_elementwise`).
 
 The decoder takes the layers' weights: once a layer is built, every parameter of the HF
 layer (projections, their biases, the norms) is released (a meta tensor, see
@@ -28,7 +29,7 @@ from tandem.core.worker.decoder_elementwise import (
     TorchElementwise,
     pick_elementwise,
 )
-from tandem.core.worker.linear_choice import cpu_bf16_linear
+from tandem.core.worker.linear_choice import Linear, cpu_bf16_linear, cpu_f32_linear
 from tandem.core.worker.packed_linear import PackedLinear
 from tandem.core.worker.paged_attention import PagedAttentionMetadata, paged_attention
 from tandem.core.worker.weight_release import release_parameters
@@ -39,10 +40,10 @@ _TORCH = TorchElementwise()
 @dataclass(slots=True)
 class _Layer:
     layer_idx: int
-    qkv: PackedLinear
-    o: PackedLinear
-    gate_up: PackedLinear
-    down: PackedLinear
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
     ln_in: torch.Tensor
     ln_post: torch.Tensor
     q_norm: torch.Tensor | None
@@ -93,14 +94,16 @@ def _cat_bias(*linears: torch.nn.Module) -> torch.Tensor | None:
     return torch.cat([linear.bias.detach() for linear in linears])
 
 
-def _linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, fresh: bool, bf16_cpu: bool
-) -> PackedLinear:
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, fresh: bool, bf16_cpu: bool) -> Linear:
     """The layer's linear over `weight` (`fresh`: a new tensor, not a view of the HF
-    parameter): bfloat16 on CPU -> `cpu_bf16_linear` (float32 in and out), else a
-    `PackedLinear` owning its weight."""
+    parameter): bfloat16 on CPU -> `cpu_bf16_linear` (float32 in and out); float32 on CPU
+    -> the panel kernel (`cpu_f32_linear`) where it builds; else a `PackedLinear` owning
+    its weight."""
     if bf16_cpu:
-        return cpu_bf16_linear(weight, bias)  # type: ignore[return-value]  # same interface
+        return cpu_bf16_linear(weight, bias)
+    panel = cpu_f32_linear(weight, bias)
+    if panel is not None:
+        return panel
     linear = PackedLinear(weight, bias)
     return linear if fresh else _own_plain(linear)
 

@@ -15,7 +15,7 @@ from tandem.core.worker.cpu_features import warn_if_bf16_emulated
 from tandem.core.worker.cpu_kernels import KERNEL_POOL_DTYPES, PagedDecodeKernel
 from tandem.core.worker.flat_batch import FlatBatch
 from tandem.core.worker.fused_decoder import FusedDecoder, float32_compute
-from tandem.core.worker.linear_choice import Linear, cpu_bf16_linear
+from tandem.core.worker.linear_choice import Linear, cpu_bf16_linear, cpu_f32_linear
 from tandem.core.worker.packed_linear import PackedLinear
 from tandem.core.worker.paged_attention import ATTENTION_NAME, build_metadata
 from tandem.core.worker.weight_release import own_remaining_parameters, release_parameters
@@ -64,8 +64,8 @@ def _take_bf16_lm_head(causal_lm: torch.nn.Module) -> Linear:
 
 
 def _take_lm_head(causal_lm: torch.nn.Module) -> PackedLinear | Linear:
-    """The LM head, packed for oneDNN where it can be, after the fused decoder took the
-    layers; what the model still holds then becomes its own memory (`weight_release`).
+    """The LM head, packed for the panel GEMM (`cpu_f32_linear`) or else for oneDNN where
+    it can be, after the fused decoder took the layers; what the model still holds then becomes its own memory (`weight_release`).
 
     An untied head keeps one copy: the packed one (the HF parameter is released; a drafter
     that needs rows of it unpacks them, `PackedLinear.dense_weight`), or the HF parameter
@@ -78,6 +78,12 @@ def _take_lm_head(causal_lm: torch.nn.Module) -> PackedLinear | Linear:
         return _take_bf16_lm_head(causal_lm)
     head = causal_lm.lm_head
     tied = head.weight is causal_lm.get_input_embeddings().weight
+    panel = cpu_f32_linear(head.weight, head.bias)  # its own copy of the weight and bias
+    if panel is not None:
+        if not tied:
+            release_parameters([head])
+        own_remaining_parameters(causal_lm)
+        return panel
     packed = PackedLinear(head.weight, head.bias, pack=True)
     if packed.packed is not None:
         if packed.bias is not None:

@@ -1,4 +1,13 @@
-"""Which linear a bfloat16 weight gets on the CPU, where activations stay float32.
+"""Which linear a weight gets on the CPU (activations are float32 in both dtypes).
+
+float32 weights (`cpu_f32_linear`): `f32_panel_linear.F32PanelLinear` (16-column panels,
+the 6x16 AVX2 tile of `csrc/f32_gemm.cpp`) when its kernel builds, else None and the
+caller keeps oneDNN (`PackedLinear`). Measured with `python benchmarks/f32_panel_linear.py`
+on a 2-core AVX2 EPYC, two threads, against oneDNN prepacked: 1.1-1.6x at 1 row, 1.1-1.6x
+at 16, 1.05-1.33x at 64 on the layer shapes (the LM head 0.97-1.03), 0.93-1.10 at 512 and
+2048 rows. `TANDEM_F32_LINEAR=onednn` keeps oneDNN everywhere (for A/B runs).
+
+bfloat16 weights (`cpu_bf16_linear`):
 
 In bfloat16 mode on the CPU tandem stores weights (and the KV cache) in bfloat16 and
 computes in float32: activations, the residual stream, norms and logits are float32. Each
@@ -16,10 +25,12 @@ caller's tensor, which may be released or map the checkpoint file), and its own 
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
 
+from tandem.core.worker import f32_panel_linear
 from tandem.core.worker.bf16_linear import Bf16Linear
 from tandem.core.worker.cpu_features import has_bf16_units
 from tandem.core.worker.packed_linear import PackedLinear
@@ -61,4 +72,20 @@ def cpu_bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> L
     linear = Bf16Linear(weight.to(torch.bfloat16), bias)
     if linear.weight is not None and linear.weight.data_ptr() == weight.data_ptr():
         linear.weight = linear.weight.clone()  # its fallback kept the caller's tensor
+    return linear
+
+
+def cpu_f32_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | None:
+    """The panel-kernel linear over its own float32 copy of `weight [out, in]` (and of
+    `bias`), or None: not a float32 CPU weight, no kernel, or `TANDEM_F32_LINEAR=onednn`."""
+    if (
+        weight.dtype != torch.float32
+        or weight.device.type != "cpu"
+        or os.environ.get("TANDEM_F32_LINEAR", "panel") == "onednn"
+        or not f32_panel_linear.available()
+    ):
+        return None
+    linear = f32_panel_linear.F32PanelLinear(weight.detach(), None)
+    if bias is not None:
+        linear.bias = bias.detach().float().clone()
     return linear

@@ -81,6 +81,9 @@ class DecodeBatch:
     token_idx: torch.Tensor  # [Rd]
     block_tables: torch.Tensor  # [Rd, max_blocks] int64, contiguous
     seq_lens: torch.Tensor  # [Rd] int64
+    #: The step is decodes only, token i the query of decode i: the kernel's output is the
+    #: step's whole attention output, no gather or scatter of rows.
+    all_tokens: bool = False
 
 
 @dataclass(slots=True)
@@ -179,12 +182,14 @@ def build_metadata(
         device = block_tables.device
         index = torch.tensor([r for _, r, _ in decodes], dtype=torch.int64, device=device)
         lens = [n for _, _, n in decodes]
+        tokens = [t for t, _, _ in decodes]
         meta.decode_batch = DecodeBatch(
-            token_idx=torch.tensor([t for t, _, _ in decodes], dtype=torch.int64, device=device),
+            token_idx=torch.tensor(tokens, dtype=torch.int64, device=device),
             block_tables=block_tables[index, : -(-max(lens) // block_size)]
             .to(torch.int64)
             .contiguous(),
             seq_lens=torch.tensor(lens, dtype=torch.int64, device=device),
+            all_tokens=tokens == list(range(slot_mapping.shape[0])),
         )
         return meta
     decodes.sort(key=lambda query: query[2])
@@ -349,10 +354,15 @@ def paged_attention(
     _write_kv(paged, module.layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1))
 
     q = query[0].transpose(0, 1)  # [T, Hq, D]
-    out = torch.empty_like(q)
-    if paged.decode_batch is not None:
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    batch = paged.decode_batch
+    if batch is not None and batch.all_tokens:
         assert paged.decode_kernel is not None
-        batch = paged.decode_batch
+        out = paged.decode_kernel(q, k_pool, v_pool, batch.block_tables, batch.seq_lens, scale)
+        return out[None], None
+    out = torch.empty_like(q)
+    if batch is not None:
+        assert paged.decode_kernel is not None
         out.index_copy_(
             0,
             batch.token_idx,
@@ -362,7 +372,7 @@ def paged_attention(
                 v_pool,
                 batch.block_tables,
                 batch.seq_lens,
-                scaling if scaling is not None else q.shape[-1] ** -0.5,
+                scale,
             ),
         )
     for group in paged.decode_groups:

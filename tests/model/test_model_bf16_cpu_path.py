@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from tandem.core.worker import cpu_features
 from tandem.core.worker.bf16_linear import Bf16Linear
 from tandem.core.worker.cpu_kernels import PagedDecodeKernel, paged_decode_kernel
+from tandem.core.worker.f32_panel_linear import F32PanelLinear
 from tandem.core.worker.hf_model import HFStepModel
 from tandem.core.worker.linear_choice import cpu_bf16_linear
 from tandem.core.worker.packed_linear import PackedLinear
@@ -239,7 +240,8 @@ def test_auto_on_cpu_stays_float32(tiny_models: dict[str, Path]) -> None:
     try:
         model = llm.engine.executor.worker.model
         assert all(k.dtype == torch.float32 for k, _ in model.kv_caches)
-        assert isinstance(model.fused.layers[0].qkv, PackedLinear)
+        assert isinstance(model.fused.layers[0].qkv, (PackedLinear, F32PanelLinear))
+        assert not isinstance(model.fused.layers[0].qkv, Bf16Linear)
         assert not model.fused.bf16_cpu
     finally:
         llm.engine.shutdown()

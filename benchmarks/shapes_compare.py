@@ -7,8 +7,8 @@
 For each workload (benchmarks/workloads/<name>.json; its "engine" section configures both
 engines, see benchmarks/make_shape_workloads.py) it runs tandem, vLLM, tandem, vLLM, ...
 (`--pairs` of each), every run in its own process with `--threads` torch/OpenMP threads
-(vLLM: VLLM_CPU_OMP_THREADS_BIND=0-(threads-1), VLLM_CPU_NUM_OF_RESERVED_CPU=0, its KV
-space from the workload). Throughput is output tokens from the first submitted request to
+pinned to CPUs 0..threads-1 (tandem: `cpu_bind`; vLLM: VLLM_CPU_OMP_THREADS_BIND,
+VLLM_CPU_NUM_OF_RESERVED_CPU=0), and each engine's KV space from the workload. Throughput is output tokens from the first submitted request to
 the last token (one `generate()` of every request; start-up and the warm-up request
 excluded); ms/token is the same interval over the same count (reported for batch-1
 workloads). The ratio is the median of the per-pair ratios tandem/vLLM of tok/s (and of
@@ -77,7 +77,10 @@ def peer_command(
     env = {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if peer == "tandem":
         cmd = [sys.executable, "-m", "tandem.bench", "--run-peer", "tandem", *common]
-        return [*cmd, "--set", f"dtype={json.dumps(dtype)}"], env
+        # The same placement as vLLM's below: each OpenMP thread pinned, CPUs 0..threads-1.
+        cpus = f"0-{threads - 1}" if threads > 1 else "0"
+        sets = [f"dtype={json.dumps(dtype)}", f"cpu_bind={json.dumps(cpus)}"]
+        return [*cmd, *(a for s in sets for a in ("--set", s))], env
     env |= {
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",

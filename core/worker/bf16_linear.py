@@ -22,15 +22,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
-import shutil
-import subprocess
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from tandem.core.worker.cpu_kernels import CSRC, build_library
+from tandem.core.worker.cpu_kernels import load_library
 
 logger = logging.getLogger("tandem.worker")
 
@@ -77,21 +74,10 @@ def _bind(library: ctypes.CDLL) -> Bf16GemmKernel:
 def bf16_gemm_kernel() -> Bf16GemmKernel | None:
     """The compiled kernel, or None (one warning) without a compiler, on a failed build, an
     ABI mismatch, or with `TANDEM_CPU_KERNELS=0`."""
-    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
-        return None
-    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if compiler is None:
-        logger.warning("no C++ compiler found: bf16 linears compute through float32 F.linear")
-        return None
-    try:
-        library = ctypes.CDLL(str(build_library(CSRC / "bf16_gemm.cpp", compiler)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("bf16 GEMM kernel unavailable, using float32 F.linear: %s", exc)
-        return None
-    if library.tandem_bf16_gemm_abi_version() != BF16_GEMM_ABI:
-        logger.warning("bf16 GEMM kernel ABI mismatch, using float32 F.linear")
-        return None
-    return _bind(library)
+    library = load_library(
+        "bf16_gemm.cpp", "tandem_bf16_gemm_abi_version", BF16_GEMM_ABI, "float32 F.linear"
+    )
+    return _bind(library) if library is not None else None
 
 
 def available() -> bool:

@@ -78,6 +78,27 @@ def build_library(source: Path, compiler: str) -> Path:
     return target
 
 
+def load_library(source: str, abi_symbol: str, abi: int, fallback: str) -> ctypes.CDLL | None:
+    """`csrc/<source>` built and loaded, or None with one warning naming `fallback` (what
+    callers use instead): `TANDEM_CPU_KERNELS=0`, no C++ compiler, a failed build, or an
+    ABI version (`abi_symbol()`) other than `abi`."""
+    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if compiler is None:
+        logger.warning("no C++ compiler found for %s: using %s", source, fallback)
+        return None
+    try:
+        library = ctypes.CDLL(str(build_library(CSRC / source, compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("%s unavailable, using %s: %s", source, fallback, exc)
+        return None
+    if getattr(library, abi_symbol)() != abi:
+        logger.warning("%s ABI mismatch, using %s", source, fallback)
+        return None
+    return library
+
+
 @dataclass(frozen=True)
 class PagedDecodeKernel:
     """`csrc/paged_decode.cpp`: decode attention reading the paged pools in place.
@@ -132,19 +153,10 @@ class PagedDecodeKernel:
 
 @functools.cache
 def paged_decode_kernel() -> PagedDecodeKernel | None:
-    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
-        return None
-    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if compiler is None:
-        logger.warning("no C++ compiler found: CPU decode attention runs on torch SDPA")
-        return None
-    try:
-        library = ctypes.CDLL(str(build_library(CSRC / "paged_decode.cpp", compiler)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("CPU decode kernel unavailable, using torch SDPA: %s", exc)
-        return None
-    if library.tandem_paged_decode_abi_version() != PAGED_DECODE_ABI:
-        logger.warning("CPU decode kernel ABI mismatch, using torch SDPA")
+    library = load_library(
+        "paged_decode.cpp", "tandem_paged_decode_abi_version", PAGED_DECODE_ABI, "torch SDPA"
+    )
+    if library is None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     functions = (library.tandem_paged_decode_f32, library.tandem_paged_decode_bf16)

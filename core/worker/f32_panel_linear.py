@@ -18,15 +18,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
-import shutil
-import subprocess
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from tandem.core.worker.cpu_kernels import CSRC, build_library
+from tandem.core.worker.cpu_kernels import load_library
 
 logger = logging.getLogger("tandem.worker")
 
@@ -69,21 +66,8 @@ def _bind(library: ctypes.CDLL) -> F32GemmKernel:
 def f32_gemm_kernel() -> F32GemmKernel | None:
     """The compiled kernel, or None (one warning) without a compiler, on a failed build, an
     ABI mismatch, or with `TANDEM_CPU_KERNELS=0`."""
-    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
-        return None
-    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if compiler is None:
-        logger.warning("no C++ compiler found: fp32 panel linears use F.linear")
-        return None
-    try:
-        library = ctypes.CDLL(str(build_library(CSRC / "f32_gemm.cpp", compiler)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("fp32 panel GEMM kernel unavailable, using F.linear: %s", exc)
-        return None
-    if library.tandem_f32_gemm_abi_version() != F32_GEMM_ABI:
-        logger.warning("fp32 panel GEMM kernel ABI mismatch, using F.linear")
-        return None
-    return _bind(library)
+    library = load_library("f32_gemm.cpp", "tandem_f32_gemm_abi_version", F32_GEMM_ABI, "F.linear")
+    return _bind(library) if library is not None else None
 
 
 def available() -> bool:

@@ -12,14 +12,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
-import shutil
-import subprocess
 from dataclasses import dataclass
 
 import torch
 
-from tandem.core.worker.cpu_kernels import CSRC, build_library
+from tandem.core.worker.cpu_kernels import load_library
 
 logger = logging.getLogger("tandem.worker")
 
@@ -122,19 +119,10 @@ def _declare(library: ctypes.CDLL) -> None:
 
 @functools.cache
 def fused_ops() -> FusedOps | None:
-    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
-        return None
-    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if compiler is None:
-        logger.warning("no C++ compiler found: the decoder's element-wise ops run as torch ops")
-        return None
-    try:
-        library = ctypes.CDLL(str(build_library(CSRC / "fused_ops.cpp", compiler)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("fused CPU ops unavailable, using torch ops: %s", exc)
-        return None
-    if library.tandem_fused_ops_abi_version() != FUSED_OPS_ABI:
-        logger.warning("fused CPU ops ABI mismatch, using torch ops")
+    library = load_library(
+        "fused_ops.cpp", "tandem_fused_ops_abi_version", FUSED_OPS_ABI, "torch ops"
+    )
+    if library is None:
         return None
     _declare(library)
     return FusedOps(library)

@@ -1,8 +1,8 @@
 """Which linear a weight gets on the CPU (activations are float32 in both dtypes).
 
-float32 weights (`cpu_f32_linear`): `f32_panel_linear.F32PanelLinear` (16-column panels,
-the 6x16 AVX2 tile of `csrc/f32_gemm.cpp`) when its kernel builds, else None and the
-caller keeps oneDNN (`PackedLinear`). Measured with `python benchmarks/f32_panel_linear.py`
+float32 weights (`cpu_f32_linear`): `panel_linear.F32PanelLinear` (16-column panels,
+the 6x16 AVX2 tile of `csrc/panel_gemm.cpp`) when its kernel builds, else None and the
+caller keeps oneDNN (`PackedLinear`). Measured with `python benchmarks/panel_linear.py`
 on a 2-core AVX2 EPYC, two threads, against oneDNN prepacked: 1.1-1.6x at 1 row, 1.1-1.6x
 at 16, 1.05-1.33x at 64 on the layer shapes (the LM head 0.97-1.03), 0.93-1.10 at 512 and
 2048 rows. `TANDEM_F32_LINEAR=onednn` keeps oneDNN everywhere (for A/B runs).
@@ -16,7 +16,7 @@ linear then takes float32 `x [rows, in]` and returns float32 `y [rows, out]`:
 - with bf16 units (AVX512-BF16 / AMX, `cpu_features.has_bf16_units`) and a oneDNN that
   reorders the bfloat16 weight: `PackedLinear` on the prepacked bfloat16 weight (the input
   is cast to bfloat16 for the GEMM, the output back to float32);
-- otherwise `bf16_linear.Bf16Linear`: weight-only bfloat16 (the weight in a packed panel
+- otherwise `panel_linear.Bf16Linear`: weight-only bfloat16 (the weight in a packed panel
   layout, float32 products and accumulation; its own torch fallback without a compiler).
 
 Either holds one bfloat16 copy of the weight in its own memory (never a view of the
@@ -30,10 +30,10 @@ from typing import Protocol
 
 import torch
 
-from tandem.core.worker import f32_panel_linear
-from tandem.core.worker.bf16_linear import Bf16Linear
+from tandem.core.worker import panel_linear
 from tandem.core.worker.cpu_features import has_bf16_units
 from tandem.core.worker.packed_linear import PackedLinear
+from tandem.core.worker.panel_linear import Bf16Linear, F32PanelLinear
 
 
 class Linear(Protocol):
@@ -82,10 +82,10 @@ def cpu_f32_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Li
         weight.dtype != torch.float32
         or weight.device.type != "cpu"
         or os.environ.get("TANDEM_F32_LINEAR", "panel") == "onednn"
-        or not f32_panel_linear.available()
+        or not panel_linear.available()
     ):
         return None
-    linear = f32_panel_linear.F32PanelLinear(weight.detach(), None)
+    linear = F32PanelLinear(weight.detach(), None)
     if bias is not None:
         linear.bias = bias.detach().float().clone()
     return linear

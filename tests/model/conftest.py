@@ -34,6 +34,15 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
+@pytest.fixture
+def two_threads():  # noqa: ANN201
+    """Two torch threads for one test (kernels that split work between threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """arch -> directory of a tiny random-initialised causal LM (safetensors, no tokenizer)."""

@@ -19,12 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from tandem.core.worker import cpu_features
-from tandem.core.worker.bf16_linear import Bf16Linear
 from tandem.core.worker.cpu_kernels import PagedDecodeKernel, paged_decode_kernel
-from tandem.core.worker.f32_panel_linear import F32PanelLinear
 from tandem.core.worker.hf_model import HFStepModel
 from tandem.core.worker.linear_choice import cpu_bf16_linear
 from tandem.core.worker.packed_linear import PackedLinear
+from tandem.core.worker.panel_linear import Bf16Linear, F32PanelLinear
 from tandem.llm import LLM
 from tandem.sampling_params import SamplingParams
 from tandem.testing.teacher_forcing import teacher_forced_top1

@@ -10,14 +10,6 @@ from tandem.core.worker.packed_linear import PackedLinear
 from tandem.core.worker.split_linear import SPLIT_MAX_ROWS, split_linear
 
 
-@pytest.fixture
-def two_threads():  # noqa: ANN201
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("rows", [1, 2, 7, 64, SPLIT_MAX_ROWS, SPLIT_MAX_ROWS + 1])
 @pytest.mark.parametrize("out_features", [96, 97])  # 97: two threads do not divide it
 @pytest.mark.parametrize("with_bias", [False, True])

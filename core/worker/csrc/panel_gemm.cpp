@@ -1,0 +1,340 @@
+// Panel GEMM with float32 compute: y = x @ W^T (+ bias), W stored once in one of two
+// weight formats (the only thing that differs between them is how a packed row is read):
+//
+//   F32:  float32 panels, natural column order (position c of a (panel, k) row is column
+//         panel * 16 + c). The fp32 path's linears (faster than oneDNN at decode row counts).
+//   BF16: bf16 bit patterns (uint16), for CPUs without bf16 arithmetic. Within the 16
+//         entries of one (panel, k) row, position 2i holds column i and position 2i + 1
+//         column 8 + i. Read as eight 32-bit words, `word << 16` is then columns 0..7 as
+//         float32 and `word & 0xffff0000` columns 8..15: one integer op per 8 weights, no
+//         shuffles (bf16 -> fp32 is exact: the bf16 bits are the float's top half).
+//
+// x: [m, k] float32, row stride ldx (elements); y: [m, n] float32, row stride ldy.
+// W: [n, k], packed by tandem_{f32,bf16}_pack* into panels[ceil(n / 16)][k][16], columns
+// past n zero. bias: [n] float32 or null. Accumulation is float32 FMA; the summation order
+// differs from torch's (k split into blocks, small row counts split k over several
+// accumulators).
+//
+// Work: a 6-row x 16-column register tile (12 ymm accumulators, two 8-float weight vectors
+// per k) streams one panel's k range. Panels are split between threads in dynamically
+// scheduled chunks (rows too when there are fewer panels than threads). Rows are blocked by
+// kRowBlock (the x block stays in L2 while the thread's panels pass over it); k only when
+// very large (a panel and a tile's x rows stay in L2: L2 bandwidth covers the ~10
+// bytes/cycle a tile reads, and blocking k at 256 or 512 to stay in L1 measured slower at
+// k = 576 and 1536, from the partial sums' round trips).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TANDEM_PANEL_AVX2 1
+#else
+#define TANDEM_PANEL_AVX2 0
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;    // output columns per panel
+constexpr int64_t kTileRows = 6;  // rows per register tile
+// Cache blocking (macros only so that benchmarks can try other values).
+#ifndef TANDEM_PANEL_ROW_BLOCK
+#define TANDEM_PANEL_ROW_BLOCK 96
+#endif
+#ifndef TANDEM_PANEL_DEPTH_BLOCK
+#define TANDEM_PANEL_DEPTH_BLOCK 4096
+#endif
+constexpr int64_t kRowBlock = TANDEM_PANEL_ROW_BLOCK;      // rows per cache block
+constexpr int64_t kDepthBlock = TANDEM_PANEL_DEPTH_BLOCK;  // k per block when k > limit
+constexpr int64_t kDepthLimit = kDepthBlock * 3 / 2;
+
+// Round-to-nearest-even, as torch's scalar float -> bfloat16 (NaN -> 0x7fc0). Integer
+// arithmetic only: -ffast-math must not touch the NaN test.
+inline uint16_t to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline float from_bf16(uint16_t value) {
+  const uint32_t bits = static_cast<uint32_t>(value) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// Weight format: float32 panels, natural column order.
+struct F32 {
+  using Stored = float;
+  static int64_t column_at(int64_t pos) { return pos; }
+  static Stored store(float value) { return value; }
+  static float widen(Stored value) { return value; }
+#if TANDEM_PANEL_AVX2
+  static void load(const Stored* row, __m256& lo, __m256& hi) {
+    lo = _mm256_loadu_ps(row);
+    hi = _mm256_loadu_ps(row + 8);
+  }
+#endif
+};
+
+// Weight format: bf16 bit patterns, columns interleaved (see the header).
+struct BF16 {
+  using Stored = uint16_t;
+  static int64_t column_at(int64_t pos) { return (pos & 1) ? 8 + pos / 2 : pos / 2; }
+  static Stored store(float value) { return to_bf16(value); }
+  static Stored store(uint16_t bits) { return bits; }
+  static float widen(Stored value) { return from_bf16(value); }
+#if TANDEM_PANEL_AVX2
+  static void load(const Stored* row, __m256& lo, __m256& hi) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+    lo = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    hi = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(-65536)));
+  }
+#endif
+};
+
+template <typename W>
+struct Gemm {
+  const float* x;
+  int64_t ldx;
+  const typename W::Stored* w;
+  const float* bias;
+  float* y;
+  int64_t ldy, m, n, k;
+};
+
+// The 16 starting values of a tile row's columns n0..n0+15 (bias, zero or partial sums);
+// columns past n read as zero.
+template <typename W>
+void load_row(const Gemm<W>& g, int64_t row, int64_t n0, bool first, float* out) {
+  const int64_t cols = std::min(kPanel, g.n - n0);
+  std::fill(out, out + kPanel, 0.f);
+  if (!first) {
+    std::copy(g.y + row * g.ldy + n0, g.y + row * g.ldy + n0 + cols, out);
+  } else if (g.bias != nullptr) {
+    std::copy(g.bias + n0, g.bias + n0 + cols, out);
+  }
+}
+
+template <typename W>
+void store_row(const Gemm<W>& g, int64_t row, int64_t n0, const float* values) {
+  const int64_t cols = std::min(kPanel, g.n - n0);
+  std::copy(values, values + cols, g.y + row * g.ldy + n0);
+}
+
+// Portable tile: MR rows x 16 columns over k in [k0, k1). Plain loops (the compiler may
+// vectorise them); also the reference the vector tile is tested against.
+template <typename W, int MR>
+void tile_portable(const Gemm<W>& g, int64_t m0, int64_t panel, int64_t k0, int64_t k1,
+                   bool first) {
+  float acc[MR][kPanel];
+  const int64_t n0 = panel * kPanel;
+  for (int i = 0; i < MR; ++i) load_row(g, m0 + i, n0, first, acc[i]);
+  const typename W::Stored* w = g.w + panel * g.k * kPanel;
+  for (int64_t kk = k0; kk < k1; ++kk) {
+    float wf[kPanel];
+    for (int64_t pos = 0; pos < kPanel; ++pos)
+      wf[W::column_at(pos)] = W::widen(w[kk * kPanel + pos]);
+    for (int i = 0; i < MR; ++i) {
+      const float xv = g.x[(m0 + i) * g.ldx + kk];
+      for (int64_t c = 0; c < kPanel; ++c) acc[i][c] += xv * wf[c];
+    }
+  }
+  for (int i = 0; i < MR; ++i) store_row(g, m0 + i, n0, acc[i]);
+}
+
+#if TANDEM_PANEL_AVX2
+// Vector tile: MR rows x 16 columns, KU independent accumulator sets over k (so one or
+// two rows still keep enough FMAs in flight), summed at the end.
+template <typename W, int MR, int KU>
+void tile_avx2(const Gemm<W>& g, int64_t m0, int64_t panel, int64_t k0, int64_t k1,
+               bool first) {
+  const int64_t n0 = panel * kPanel;
+  __m256 acc[KU][MR][2];
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) {
+    alignas(32) float start[kPanel];
+    load_row(g, m0 + i, n0, first, start);
+    acc[0][i][0] = _mm256_load_ps(start);
+    acc[0][i][1] = _mm256_load_ps(start + 8);
+#pragma GCC unroll 4
+    for (int u = 1; u < KU; ++u) acc[u][i][0] = acc[u][i][1] = _mm256_setzero_ps();
+  }
+  const float* xr[MR];
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) xr[i] = g.x + (m0 + i) * g.ldx;
+  const typename W::Stored* w = g.w + panel * g.k * kPanel;
+  // The k loop body is written out twice (KU-unrolled, then the remainder) rather than
+  // shared through a lambda: a lambda made GCC keep the accumulators in memory.
+  int64_t kk = k0;
+  for (; kk + KU <= k1; kk += KU) {
+#pragma GCC unroll 4
+    for (int u = 0; u < KU; ++u) {
+      __m256 lo, hi;
+      W::load(w + (kk + u) * kPanel, lo, hi);
+#pragma GCC unroll 6
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xv = _mm256_broadcast_ss(xr[i] + kk + u);
+        acc[u][i][0] = _mm256_fmadd_ps(xv, lo, acc[u][i][0]);
+        acc[u][i][1] = _mm256_fmadd_ps(xv, hi, acc[u][i][1]);
+      }
+    }
+  }
+  for (; kk < k1; ++kk) {
+    __m256 lo, hi;
+    W::load(w + kk * kPanel, lo, hi);
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(xr[i] + kk);
+      acc[0][i][0] = _mm256_fmadd_ps(xv, lo, acc[0][i][0]);
+      acc[0][i][1] = _mm256_fmadd_ps(xv, hi, acc[0][i][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int u = 1; u < KU; ++u) {
+      acc[0][i][0] = _mm256_add_ps(acc[0][i][0], acc[u][i][0]);
+      acc[0][i][1] = _mm256_add_ps(acc[0][i][1], acc[u][i][1]);
+    }
+    alignas(32) float out[kPanel];
+    _mm256_store_ps(out, acc[0][i][0]);
+    _mm256_store_ps(out + 8, acc[0][i][1]);
+    store_row(g, m0 + i, n0, out);
+  }
+}
+#endif
+
+template <typename W>
+using TileFn = void (*)(const Gemm<W>&, int64_t, int64_t, int64_t, int64_t, bool);
+
+template <typename W>
+TileFn<W> pick_tile(int64_t rows, bool portable) {
+#if TANDEM_PANEL_AVX2
+  if (!portable) {
+    switch (rows) {
+      case 1: return tile_avx2<W, 1, 4>;
+      case 2: return tile_avx2<W, 2, 3>;
+      case 3: return tile_avx2<W, 3, 2>;
+      case 4: return tile_avx2<W, 4, 1>;
+      case 5: return tile_avx2<W, 5, 1>;
+      default: return tile_avx2<W, 6, 1>;
+    }
+  }
+#endif
+  (void)portable;
+  switch (rows) {
+    case 1: return tile_portable<W, 1>;
+    case 2: return tile_portable<W, 2>;
+    case 3: return tile_portable<W, 3>;
+    case 4: return tile_portable<W, 4>;
+    case 5: return tile_portable<W, 5>;
+    default: return tile_portable<W, 6>;
+  }
+}
+
+// Rows [r0, r1) x panels [p0, p1): row blocks, then k blocks, then panels, then tiles.
+template <typename W>
+void run_item(const Gemm<W>& g, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
+              bool portable) {
+  const int64_t depth = g.k > kDepthLimit ? kDepthBlock : std::max<int64_t>(g.k, 1);
+  for (int64_t mb = r0; mb < r1; mb += kRowBlock) {
+    const int64_t me = std::min(mb + kRowBlock, r1);
+    for (int64_t kb = 0; kb < g.k || kb == 0; kb += depth) {
+      const int64_t ke = std::min(kb + depth, g.k);
+      for (int64_t p = p0; p < p1; ++p) {
+        for (int64_t m = mb; m < me; m += kTileRows) {
+          const int64_t rows = std::min(kTileRows, me - m);
+          pick_tile<W>(rows, portable)(g, m, p, kb, ke, kb == 0);
+        }
+      }
+    }
+  }
+}
+
+// Splits panels between threads (rows as well when panels are fewer than threads) into
+// up to kChunksPerThread contiguous chunks per thread, handed out dynamically: a thread
+// the OS delays (another process on its core) then costs its share of chunks, not half
+// of the product.
+constexpr int64_t kChunksPerThread = 4;
+
+template <typename W>
+void run(const Gemm<W>& g, int threads, bool portable) {
+  const int64_t panels = (g.n + kPanel - 1) / kPanel;
+  const int64_t tiles = (g.m + kTileRows - 1) / kTileRows;
+  if (g.m <= 0 || panels <= 0) return;
+  const int64_t want = std::max(threads, 1);
+  const int64_t row_parts = std::min(tiles, (want + panels - 1) / panels);
+  const int64_t cols = want == 1 ? 1 : std::min(panels, want * kChunksPerThread);
+  const int64_t items = cols * row_parts;
+  const int workers = static_cast<int>(std::min(items, want));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(workers) if (workers > 1)
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t c = item % cols;
+    const int64_t r = item / cols;
+    const int64_t r0 = std::min(g.m, tiles * r / row_parts * kTileRows);
+    const int64_t r1 = std::min(g.m, tiles * (r + 1) / row_parts * kTileRows);
+    run_item(g, r0, r1, panels * c / cols, panels * (c + 1) / cols, portable);
+  }
+}
+
+// W [n, k] (row stride ldw) -> panels of format F; Src is float (converted by F::store)
+// or uint16_t (bf16 bits, BF16 only: copied).
+template <typename F, typename Src>
+void pack(const Src* w, int64_t ldw, typename F::Stored* out, int64_t n, int64_t k,
+          int threads) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+#pragma omp parallel for schedule(static) num_threads(std::max(threads, 1))
+  for (int64_t p = 0; p < panels; ++p) {
+    typename F::Stored* dst = out + p * k * kPanel;
+    for (int64_t pos = 0; pos < kPanel; ++pos) {
+      const int64_t col = p * kPanel + F::column_at(pos);
+      for (int64_t kk = 0; kk < k; ++kk)
+        dst[kk * kPanel + pos] = col < n ? F::store(w[col * ldw + kk]) : typename F::Stored{0};
+    }
+  }
+}
+
+template <typename W>
+void gemm(const float* x, int64_t ldx, const void* packed, const float* bias, float* y,
+          int64_t ldy, int64_t m, int64_t n, int64_t k, int threads, bool portable) {
+  const Gemm<W> g{x, ldx, static_cast<const typename W::Stored*>(packed), bias, y, ldy, m, n, k};
+  run(g, threads, portable);
+}
+
+}  // namespace
+
+extern "C" int tandem_panel_gemm_abi_version() { return 1; }
+
+// 1 when the AVX2/FMA tile is compiled in, 0 when only the portable loops are.
+extern "C" int tandem_panel_gemm_vectorized() { return TANDEM_PANEL_AVX2; }
+
+extern "C" void tandem_f32_pack(const float* w, int64_t ldw, float* out, int64_t n, int64_t k,
+                                int threads) {
+  pack<F32>(w, ldw, out, n, k, threads);
+}
+
+extern "C" void tandem_bf16_pack_f32(const float* w, int64_t ldw, uint16_t* out, int64_t n,
+                                     int64_t k, int threads) {
+  pack<BF16>(w, ldw, out, n, k, threads);
+}
+
+extern "C" void tandem_bf16_pack_bf16(const uint16_t* w, int64_t ldw, uint16_t* out,
+                                      int64_t n, int64_t k, int threads) {
+  pack<BF16>(w, ldw, out, n, k, threads);
+}
+
+// `portable` != 0: the plain-loop tile only (tests; CPUs without AVX2 use it anyway).
+extern "C" void tandem_f32_gemm(const float* x, int64_t ldx, const float* packed,
+                                const float* bias, float* y, int64_t ldy, int64_t m, int64_t n,
+                                int64_t k, int threads, int portable) {
+  gemm<F32>(x, ldx, packed, bias, y, ldy, m, n, k, threads, portable != 0);
+}
+
+extern "C" void tandem_bf16_gemm(const float* x, int64_t ldx, const uint16_t* packed,
+                                 const float* bias, float* y, int64_t ldy, int64_t m,
+                                 int64_t n, int64_t k, int threads, int portable) {
+  gemm<BF16>(x, ldx, packed, bias, y, ldy, m, n, k, threads, portable != 0);
+}

@@ -229,11 +229,13 @@ def _wrap_hf_model(clock: PhaseClock, p: _Patches, model: Any) -> None:
     import tandem.core.worker.hf_model as hf_model
     import tandem.core.worker.packed_linear as packed_linear
     import tandem.core.worker.paged_attention as paged_attention
+    import tandem.core.worker.panel_linear as panel_linear
 
-    linear_call = packed_linear.PackedLinear.__call__
-    p.set(packed_linear.PackedLinear, "__call__", clock.wrap("linears", linear_call))
     head = model.lm_head
-    p.set(model, "lm_head", clock.wrap("logits", lambda x: linear_call(head, x)))
+    head_call = type(head).__call__  # before the classes' calls are wrapped below
+    for linear_type in (packed_linear.PackedLinear, panel_linear.PanelLinear):
+        p.set(linear_type, "__call__", clock.wrap("linears", linear_type.__call__))
+    p.set(model, "lm_head", clock.wrap("logits", lambda x: head_call(head, x)))
     p.set(hf_model, "build_metadata", clock.wrap("attention_metadata", hf_model.build_metadata))
     p.set(fused_decoder, "paged_attention", clock.wrap("attention", fused_decoder.paged_attention))
     p.set(paged_attention, "_write_kv", clock.wrap("kv_write", paged_attention._write_kv))

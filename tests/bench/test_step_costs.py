@@ -12,6 +12,7 @@ from types import ModuleType
 import pytest
 
 from tandem import LLM, SamplingParams
+from tandem.testing.tiny_model import save_tiny_model
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 #: Float rounding of `elapsed - nested` (seconds); anything below this is a real error.
@@ -72,3 +73,33 @@ def test_measure_summary_adds_up(modules: tuple[ModuleType, ModuleType]) -> None
     assert sum(result["phase_pct"].values()) == pytest.approx(100, rel=0.01)
     table = step_costs.table({"x": step_costs.aggregate([result])})
     assert "remainder | python_overhead" in table
+
+
+def test_real_model_splits_linears_and_logits(
+    modules: tuple[ModuleType, ModuleType], tmp_path: Path
+) -> None:
+    """On a transformers model (the fused decoder), the linears and the LM head are timed
+    as their own phases, whichever linear type holds the weights, and the wrapped head
+    still computes the real logits: the same greedy tokens as an uninstrumented run."""
+    step_phases, _ = modules
+    model = save_tiny_model("llama", tmp_path / "llama")
+    llm = LLM(model=str(model), max_num_seqs=4, max_model_len=64, kv_cache_memory_gib=0.01)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        prompts = [[3 + i, 17, 29, 41] for i in range(4)]
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        head_type = type(llm.engine.executor.worker.model_runner.model.lm_head)
+        with step_phases.instrument(llm) as clock:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == plain
+        assert "__call__" not in vars(llm.engine.executor.worker.model_runner.model.lm_head)
+        assert (
+            head_type.__call__
+            is type(llm.engine.executor.worker.model_runner.model.lm_head).__call__
+        )
+    finally:
+        llm.shutdown()
+    decodes = [s for s in clock.steps if s.is_decode(4)]
+    assert decodes
+    for step in decodes:
+        assert {"linears", "logits", "forward_other"} <= set(step.phases), step.phases

@@ -74,7 +74,10 @@ def panel_gemm_kernel() -> PanelGemmKernel | None:
     """The compiled kernel, or None (one warning) without a compiler, on a failed build, an
     ABI mismatch, or with `TANDEM_CPU_KERNELS=0`."""
     library = load_library(
-        "panel_gemm.cpp", "tandem_panel_gemm_abi_version", PANEL_GEMM_ABI, "float32 F.linear"
+        "panel_gemm.cpp",
+        "tandem_panel_gemm_abi_version",
+        PANEL_GEMM_ABI,
+        "torch linears (oneDNN prepacked, or F.linear)",
     )
     return _bind(library) if library is not None else None
 

@@ -67,6 +67,9 @@ class EngineCore:
         self.num_steps = 0
         #: Why the engine stopped (`run_step` contained a failed step), or None while alive.
         self.dead_error: str | None = None
+        #: The exception that stopped it: a `PluginError` naming the plugin, the hook and
+        #: the step when a hook implementation raised, else the exception as raised.
+        self.dead_exception: BaseException | None = None
         #: Wraps each wait for a step's results, the one part of a step that is no hook
         #: call (the tracing plugin times it); returns a context manager.
         self.wait_observer: Callable[[], AbstractContextManager[None]] | None = None
@@ -77,7 +80,9 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Validate (`check_request`, then the ids this engine holds; messages name the
         field) and hand the request to every plugin. A plugin that rejects it (raises
-        ValueError) gets it aborted everywhere; the error goes to this caller only."""
+        ValueError) gets it aborted everywhere; the error goes to this caller only. Any
+        other exception from a plugin's `add_request` is raised as a `PluginError` naming
+        the plugin (the request is aborted everywhere; the engine goes on)."""
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         check_request(request, self.config, bool(self.plugin_manager.plugins_with_role("grammar")))
@@ -91,9 +96,15 @@ class EngineCore:
             )
         try:
             self.hook.add_request(request=request)
-        except Exception:
+        except Exception as exc:
             self.hook.abort_requests(request_ids=[rid], status=RequestStatus.FINISHED_ERROR)
-            raise
+            if isinstance(exc, ValueError):  # a rejection (the contract): this request's own
+                raise
+            phase = f"add_request of request {rid!r} (after {self.num_steps} engine steps)"
+            failure = self.plugin_manager.plugin_error(exc, phase)
+            if failure is None:
+                raise
+            raise failure from exc
         self.live.admit(rid)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -215,18 +226,24 @@ class EngineCore:
         a plugin's bookkeeping: nothing one request explains) stops the engine instead of
         leaving requests RUNNING with no way forward. Every live request then ends with
         `finish_reason == "error"` naming the failure, `has_work()` turns False and
-        `add_request` raises `EngineDeadError`. Per-request failures never get here: the
+        `add_request` raises `EngineDeadError`. When a hook implementation raised, the
+        message (`dead_error`) and `dead_exception` are a `PluginError` naming the plugin,
+        the hook, its `file:line` and the step. Per-request failures never get here: the
         worker isolates them (`ModelRunnerOutput.failed`)."""
         if self.dead_error is not None:
             return [], False
         try:
             return self.step_fn()
         except Exception as exc:
-            logger.exception("engine step %d failed; stopping the engine", self.num_steps)
+            step = self.num_steps
+            failure = self.plugin_manager.plugin_error(exc, f"engine step {step}", step)
+            logger.exception("engine step %d failed; stopping the engine", step)
+            self.dead_exception = failure or exc
             self.dead_error = (
-                f"the engine stopped: step {self.num_steps} failed with "
-                f"{type(exc).__name__}: {exc}; create a new engine (LLM) to go on"
-            )
+                f"the engine stopped: {failure}"
+                if failure is not None
+                else f"the engine stopped: step {step} failed with {type(exc).__name__}: {exc}"
+            ) + "; create a new engine (LLM) to go on"
         live = self.live.clear()
         self.batch_queue.clear()
         try:  # let the plugins drop their state; the engine is dead either way

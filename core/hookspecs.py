@@ -9,6 +9,18 @@ Order: the stack's order is call order. Broadcast hooks run every implementation
 order; for `firstresult` hooks the first plugin in stack order that returns a value other
 than None answers and the rest are not called.
 
+Same-seam policies: the policy seams compose by a rule per seam, stated in each
+docstring. `requests_not_ready` is broadcast and the union is taken (any plugin may hold a
+request back). `make_waiting_queue` and `select_preemption_victim` are exclusive
+(`EXCLUSIVE_SEAMS`): a stack in which two plugins (other than the scheduler's own default)
+answer one of them is refused at resolution, naming both, because a first answer would
+silently shadow the other and neither answer can be refined without the other's state.
+
+Failures: a hook implementation that raises is named in the error the caller sees
+(`tandem.core.plugin_error.PluginError`: the plugin, the hook, its `file:line`, and the
+engine step or phase). Stack resolution checks every implementation's signature against
+its hookspec (pluggy's own check), so a misnamed argument fails before anything runs.
+
 Two sides: engine-side hooks run in the engine process (the kernel calls them); worker-side
 hooks (`sample`, `propose_drafts`) run wherever the model runs, on the worker's own plugin
 manager, rebuilt from the resolved stack: no live plugin object crosses a process boundary.
@@ -101,10 +113,18 @@ class EngineHookSpecs:
         uses its own FCFS or priority queue (`scheduler.scheduling_policy`). Returns a new,
         empty `tandem.core.waiting_queue.WaitingQueue` (its docstring is the contract:
         admission order, put-back, discard, the per-step clock `advance`); anything else is
-        a `PluginConfigError` naming the plugin. The scheduler decides what enters and
-        leaves the queue; the plugin may keep the object to read it. Every other rule stays
-        the scheduler's (RUNNING first, budgets, admission stops at the first request that
-        does not fit, none in a step that preempted), so tokens never change, only order.
+        a `PluginConfigError` naming the plugin, and an exception raised here is a
+        `PluginStartError` naming the plugin and this hook. The scheduler decides what
+        enters and leaves the queue; the plugin may keep the object to read it. Every other
+        rule stays the scheduler's (RUNNING first, budgets, admission stops at the first
+        request that does not fit, none in a step that preempted), so tokens never change,
+        only order.
+
+        Exclusive: at most one plugin of a stack answers it (resolution refuses a second,
+        naming both). A queue owns WAITING's order and its per-request state (ages,
+        deadlines), so two orders cannot be chained by taking keys in turn; to combine
+        rules, write one queue whose key is the tuple of both (e.g. a
+        `tandem.plugins.request_queue.KeyedQueue` subclass).
         """
 
     @hookspec(firstresult=True)
@@ -123,6 +143,15 @@ class EngineHookSpecs:
         the plugin. Plugins change no request or queue: the scheduler preempts the victim
         by recompute (frees its blocks through the fence, resets its ledger, counts
         `num_preemptions`, puts it back with `WaitingQueue.prepend`).
+
+        Starvation: the rule must bound how often one request is chosen while others run
+        (e.g. not again once preempted k times while a fresher candidate exists), else a
+        request can be recomputed without end; the conformance check `victim-starvation`
+        fails a rule without such a bound.
+
+        Exclusive: at most one plugin besides the scheduler answers it (resolution refuses
+        a second, naming both): a later answer could only override the first, and a victim
+        rule's bound holds only if it sees every choice. Combine rules in one plugin.
         """
 
     @hookspec
@@ -310,3 +339,10 @@ class WorkerHookSpecs:
 
 
 HOOK_SPECS: tuple[type[Any], ...] = (EngineHookSpecs, WorkerHookSpecs)
+
+#: The policy seams a stack lets at most one plugin answer (the scheduler's own default
+#: aside), with what each decides; see the hooks' docstrings.
+EXCLUSIVE_SEAMS: dict[str, str] = {
+    "make_waiting_queue": "the WAITING admission order",
+    "select_preemption_victim": "the preemption victim",
+}

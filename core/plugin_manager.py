@@ -13,16 +13,24 @@ attributes read from the class, no instance (`CAPABILITIES`, documented on `Tand
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass
+from types import CodeType, SimpleNamespace
 from typing import Any, ClassVar
 
 import pluggy
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tandem.config import ConfigError, EngineConfig, PluginSpec
-from tandem.core.hookspecs import PROJECT, EngineHookSpecs, WorkerHookSpecs
+from tandem.core.hookspecs import (
+    EXCLUSIVE_SEAMS,
+    PROJECT,
+    EngineHookSpecs,
+    WorkerHookSpecs,
+)
+from tandem.core.plugin_error import HookSite, PluginError, definition_site, failing_hook
 from tandem.sampling_params import format_validation_error
 
 ENTRY_POINT_GROUP = "tandem.plugins"
@@ -33,6 +41,12 @@ ALL_HOOKS = ENGINE_HOOKS | WORKER_HOOKS
 
 class PluginConfigError(ConfigError):
     """A stack that cannot run: unknown plugin, bad options, conflicting plugins."""
+
+
+class PluginStartError(PluginError, PluginConfigError):
+    """A plugin's hook raised while the stack started (`tandem_stack_loaded`, and the
+    hooks the scheduler asks then: `make_waiting_queue`): a `PluginError` naming the
+    plugin and the hook, and a `PluginConfigError` (the stack cannot run)."""
 
 
 class NoOptions(BaseModel):
@@ -152,20 +166,78 @@ class ResolvedStack:
         return any(e.cap("applies_grammar_bitmask") for e in self.with_role("sampler"))
 
 
+@functools.cache
+def _spec_manager() -> pluggy.PluginManager:
+    """A manager holding only the hookspecs, for checking implementations against them."""
+    manager = pluggy.PluginManager(PROJECT)
+    manager.add_hookspecs(EngineHookSpecs)
+    manager.add_hookspecs(WorkerHookSpecs)
+    return manager
+
+
+def signature_errors(cls: type) -> list[str]:
+    """Each hook implementation of `cls` that pluggy's own check (`register` against the
+    hookspecs: argument names, wrapper shape) refuses, as `hook (file:line): why`. Run at
+    stack resolution, so a bad signature fails `tandem config show`, not the first
+    `generate`. Each implementation is registered alone, on a throwaway holder, and
+    unregistered again."""
+    errors = []
+    manager = _spec_manager()
+    for hook in sorted(implemented_hooks(cls) & ALL_HOOKS):
+        function = getattr(cls, hook)
+        holder = SimpleNamespace(**{hook: function})
+        try:
+            manager.register(holder, name=f"signature-check:{hook}")
+        except pluggy.PluginValidationError as exc:
+            why = " ".join(str(exc).split("\n")[1:]) or str(exc)
+            errors.append(f"{hook} ({definition_site(function)}): {why}")
+        else:
+            manager.unregister(holder)
+    return errors
+
+
 def stack_entry(cls: type, spec: PluginSpec, where: str) -> StackEntry:
-    """`cls` as the stack entry `spec` names: it implements only known hooks and its
-    options validate against its `Options` model (errors name `where`)."""
+    """`cls` as the stack entry `spec` names: it implements only known hooks, each with a
+    signature its hookspec accepts, and its options validate against its `Options` model
+    (errors name `where` and the implementation's `file:line`)."""
     unknown = implemented_hooks(cls) - ALL_HOOKS
     if unknown:
         raise PluginConfigError(
             f"plugin {spec.name!r} implements unknown hook(s) {sorted(unknown)}; "
             f"known hooks: {sorted(ALL_HOOKS)}"
         )
+    bad = signature_errors(cls)
+    if bad:
+        raise PluginConfigError(
+            f"{where}: plugin {spec.name!r}: hook implementation does not match its "
+            f"hookspec: {'; '.join(bad)}"
+        )
     try:
         options = getattr(cls, "Options", NoOptions).model_validate(spec.options)
     except ValidationError as exc:
         raise PluginConfigError(format_validation_error(exc, f"{where}.options")) from exc
     return StackEntry(spec.name, cls, options, dict(spec.options), where)
+
+
+def check_exclusive_seams(stack: ResolvedStack) -> None:
+    """Refuse a stack in which two plugins answer the same exclusive policy seam
+    (`EXCLUSIVE_SEAMS`: the WAITING order, the preemption victim; see their hookspecs):
+    a first-result answer would silently shadow the other. The scheduler's own default
+    answer (a plugin with the scheduler role) does not count."""
+    for seam in EXCLUSIVE_SEAMS:
+        answering = [
+            e
+            for e in stack.entries
+            if e.cap("role") != "scheduler" and seam in implemented_hooks(e.cls)
+        ]
+        if len(answering) > 1:
+            first, second = answering[0], answering[1]
+            raise PluginConfigError(
+                f"{second.where}: plugins {first.name!r} ({first.where}) and {second.name!r} "
+                f"both answer {seam}, {EXCLUSIVE_SEAMS[seam]}; a stack takes one such "
+                f"policy (the first answer would silently shadow the other): keep one, or "
+                f"combine both rules in one plugin"
+            )
 
 
 def stack_of(config: EngineConfig) -> ResolvedStack:
@@ -235,7 +307,57 @@ class TandemPluginManager(pluggy.PluginManager):
         except pluggy.PluginValidationError as exc:
             raise PluginConfigError(f"{source}: {exc}") from exc
         self.stack = instances
-        self.hook.tandem_stack_loaded(manager=self)
+        try:
+            self.hook.tandem_stack_loaded(manager=self)
+        except PluginConfigError:
+            raise
+        except Exception as exc:
+            failure = self.plugin_error(exc, "the stack's start", error=PluginStartError)
+            if failure is None:
+                raise
+            raise failure from exc
+
+    def hook_sites(self) -> dict[CodeType, list[HookSite]]:
+        """Every hook implementation this manager may run, by code object: those
+        registered here, then the stack's implementations of the other side (a worker
+        in this process runs them). For `plugin_error`; built when asked."""
+        sites: dict[CodeType, list[HookSite]] = {}
+        for caller in vars(self.hook).values():
+            for impl in caller.get_hookimpls():
+                function = getattr(impl.function, "__func__", impl.function)
+                code = getattr(function, "__code__", None)
+                if code is not None:
+                    wrapper = bool(impl.wrapper or impl.hookwrapper)
+                    where = definition_site(function)
+                    site = HookSite(impl.plugin_name, caller.name, impl.plugin, wrapper, where)
+                    sites.setdefault(code, []).append(site)
+        for entry in self.resolved.entries:
+            for hook in implemented_hooks(entry.cls):
+                function = getattr(entry.cls, hook)
+                code = getattr(function, "__code__", None)
+                if code is not None and code not in sites:
+                    where = definition_site(function)
+                    sites[code] = [HookSite(entry.name, hook, None, False, where)]
+        return sites
+
+    def plugin_error(
+        self,
+        exc: BaseException,
+        phase: str,
+        step: int | None = None,
+        error: type[PluginError] = PluginError,
+    ) -> PluginError | None:
+        """`exc` as an `error` naming the plugin and hook that raised it (`failing_hook`)
+        and `phase` (when: `engine step 3`), or None when no hook implementation raised
+        it (the caller reports `exc` as it is)."""
+        if isinstance(exc, PluginError):
+            return exc
+        site = failing_hook(exc, self.hook_sites())
+        if site is None:
+            return None
+        failure = error(site.plugin, site.hook, site.where, phase, exc, step)
+        failure.__cause__ = exc
+        return failure
 
     def plugins_with_role(self, role: str) -> list[Any]:
         return [p for _, p in self.stack if capability(type(p), "role") == role]

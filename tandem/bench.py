@@ -7,7 +7,8 @@ Workload files are JSON: `{"name", "requests": [{"prompt_token_ids": [...], "max
 (greedy, ignore_eos). `--workload` also takes a built-in name (`default`, `latency`,
 `small`): the same token ids as `benchmarks/workloads/<name>.json`, generated, so an
 installed package needs no checkout. Results go to `--out`, by default
-`tandem-bench-<workload>.json` in the current directory (the path is printed).
+`tandem-bench-<workload>.json` in the current directory (the path is printed). A peer
+that fails is recorded with its error, the error is printed, and the command exits 1.
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def run_tandem(
 
     torch.set_num_threads(threads)
     overrides = engine_kwargs(workload) | overrides  # --set wins over the workload's engine
-    llm = LLM(model=model, worker_num_threads=threads, trace_hooks=True, **overrides)
+    # --set wins over the bench's own defaults too (`--set trace_hooks=false`).
+    llm = LLM(model=model, **({"worker_num_threads": threads, "trace_hooks": True} | overrides))
     # With the worker in its own process the engine only plans steps: one thread.
     torch.set_num_threads(1 if llm.config.parallel.executor == "process" else threads)
     reqs = workload["requests"]
@@ -379,6 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     print(f"tandem bench: wrote {out.resolve()}", file=sys.stderr)
+    failed = {
+        peer: run["error"]
+        for peer, data in results["peers"].items()
+        for run in data.get("runs", [])
+        if "error" in run
+    }
     print(
         json.dumps(
             {k: v for k, v in results.items() if k != "peers"}
@@ -389,7 +397,9 @@ def main(argv: list[str] | None = None) -> int:
             indent=2,
         )
     )
-    return 0
+    for peer, error in failed.items():
+        print(f"tandem bench: peer {peer!r} failed:\n{error.rstrip()}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

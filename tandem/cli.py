@@ -367,6 +367,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        # Raised from inside the engine, so its modules are loaded: no import cost here.
+        from tandem.core.engine_core import EngineDeadError
+        from tandem.core.plugin_error import PluginError
+
+        if not isinstance(exc, (EngineDeadError, PluginError)):
+            raise
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from tandem.core.plugin_manager import (
     ResolvedStack,
     StackEntry,
     capability,
+    check_exclusive_seams,
     implemented_hooks,
     import_class,
     stack_entry,
@@ -281,6 +282,7 @@ def _finish(config: EngineConfig, entries: list[StackEntry], source: str) -> Res
             f"{source}: plugins: {layers[0].name} needs scheduler.async_scheduling: true"
         )
     _check_roles(config, stack, source)
+    check_exclusive_seams(stack)
     _check_grammar(config, stack, source)
     _check_process_paths(config, stack)
     if not any("sample" in implemented_hooks(e.cls) for e in stack.entries):

@@ -16,7 +16,7 @@ from typing import Any
 from tandem.chat_prompts import chat_prompts
 from tandem.config import EngineConfig
 from tandem.config_resolution import resolve_config
-from tandem.core.engine_core import EngineCore
+from tandem.core.engine_core import EngineCore, EngineDeadError
 from tandem.core.executor import executor_class
 from tandem.core.request import RequestRejectedError
 from tandem.core.worker.model_loader import model_loader_for
@@ -146,6 +146,13 @@ class LLM:
         this call are aborted. A request a plugin rejects for a reason of its own
         (`RequestRejectedError`: e.g. a grammar its backend cannot compile) finishes with
         `finish_reason == "error"` and `error` set; the others run.
+
+        An engine-level failure (a step that raised in a way no single request explains:
+        a plugin's hook, the scheduler, the forward pass) raises `EngineDeadError` (as
+        vLLM's `LLM` does when its engine core dies) instead of returning outputs; its
+        message names the plugin, the hook, its `file:line` and the step when a plugin
+        raised (`__cause__` is the `tandem.core.plugin_error.PluginError`), and the
+        progress bar stops where it was, marked failed. The `LLM` then refuses new work.
         """
         prompt_list = _prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompt_list))
@@ -185,6 +192,11 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
+        if self.engine.dead_error is not None:
+            for _, children in groups:
+                for rid in children:
+                    self.output_processor.records.pop(rid, None)
+            raise EngineDeadError(self.engine.dead_error) from self.engine.dead_exception
         return [self._merge(group_id, children) for group_id, children in groups]
 
     def _params_list(
@@ -287,6 +299,10 @@ class LLM:
         while self.engine.has_work():
             outputs, _ = self.engine.run_step()
             finished = self.output_processor.process(outputs)
+            if self.engine.dead_error is not None:  # nothing of this call succeeded
+                if progress is not None:
+                    progress.failed()
+                return
             if progress is not None and finished:
                 progress.finished(finished)
             if self.output_processor.stopped_by_string:

@@ -64,6 +64,11 @@ class _Progress:
             self.bar.postfix = _speed(self.input_tokens / elapsed, self.output_tokens / elapsed)
             self.bar.update(done)
 
+    def failed(self) -> None:
+        """The engine stopped: the bar keeps the prompts really processed (never 100 % for
+        a run that failed) and says so in its description."""
+        self.bar.desc = "Processed prompts (engine failed)"
+
     def close(self) -> None:
         self.bar.close()
 

@@ -13,16 +13,18 @@ from tandem.core.request import Request, RequestStatus
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Decide whether `request` is finished after its last appended token.
 
-    Order (as vLLM's `check_stop`): the length cap (`max_model_len` positions or
-    `max_tokens` outputs) wins over everything; before `min_tokens` outputs nothing else
-    stops the request; then EOS (unless `ignore_eos`), then `stop_token_ids`. Sets
-    `status` and, for a stop token, `stop_reason`; returns True when finished.
+    Order (as vLLM's `check_stop`): before `min_tokens` outputs only the end of the context
+    (`max_model_len` positions) stops the request; then EOS (unless `ignore_eos`), then
+    `stop_token_ids`, then the length cap (`max_model_len` positions or `max_tokens`
+    outputs). So an EOS or stop token that is also the last allowed token finishes with
+    `stop`, not `length`. Sets `status` and, for a stop token, `stop_reason`; returns True
+    when finished.
     """
-    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        return True
     params = request.sampling_params
     if request.num_output_tokens < params.min_tokens:
+        if request.num_tokens >= max_model_len:  # no room left for the minimum
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
         return False
     last = request.all_token_ids[-1]
     if not params.ignore_eos and last == request.eos_token_id:
@@ -31,5 +33,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     if last in params.stop_token_ids:
         request.status = RequestStatus.FINISHED_STOPPED
         request.stop_reason = last
+        return True
+    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False

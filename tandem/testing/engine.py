@@ -97,14 +97,16 @@ def expected_scripted_output(
                 )
         history.append(token)
         out.append(token)
-        if len(history) >= max_model_len or len(out) >= params.max_tokens:
-            return out, "length"
         if len(out) < params.min_tokens:
+            if len(history) >= max_model_len:
+                return out, "length"
             continue
         if not params.ignore_eos and token == eos_token_id:
             return out, "stop"
         if token in params.stop_token_ids:
             return out, "stop"
+        if len(history) >= max_model_len or len(out) >= params.max_tokens:
+            return out, "length"
 
 
 def collect_outputs(

@@ -80,10 +80,14 @@ def expected_scripted_diffusion_output(
         for token in canvas:
             context.append(token)
             out.append(token)
-            if len(context) >= max_len or len(out) >= params.max_tokens:
-                return out, "length"
+            if len(out) < params.min_tokens:
+                if len(context) >= max_len:
+                    return out, "length"
+                continue
             if (not params.ignore_eos and token == eos) or token in params.stop_token_ids:
                 return out, "stop"
+            if len(context) >= max_len or len(out) >= params.max_tokens:
+                return out, "length"
 
 
 class ScriptedDiffusionModel:

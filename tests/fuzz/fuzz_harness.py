@@ -297,12 +297,14 @@ def greedy_reference(entry: dict[str, Any], engine: dict[str, Any]) -> Outcome |
             token = max(candidates, key=lambda v: ((scripted * 131 + v * 71) % 193, -v))
         history.append(token)
         out.append(token)
-        if len(history) >= max_model_len or len(out) >= max_tokens:
-            return out, "length"
         if len(out) < min_tokens:
+            if len(history) >= max_model_len:
+                return out, "length"
             continue
         if (not ignore_eos and token == eos) or token in stop_ids:
             return out, "stop"
+        if len(history) >= max_model_len or len(out) >= max_tokens:
+            return out, "length"
 
 
 # Driving one engine -------------------------------------------------------------------

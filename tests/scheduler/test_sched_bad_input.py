@@ -445,10 +445,20 @@ def test_stop_token_id_still_applies_with_ignore_eos(async_scheduling: bool) -> 
     assert outputs[-1].stop_reason == stop
 
 
-def test_max_tokens_wins_over_eos_on_the_same_token(async_scheduling: bool) -> None:
+def test_eos_on_the_last_allowed_token_finishes_with_stop(async_scheduling: bool) -> None:
+    """As vLLM's `check_stop`: EOS is checked before the length cap, so a request whose
+    `max_tokens`-th token is EOS reports `stop`."""
     prompt, cont, k = eos_prompt()
     result = tokens_and_reason(run_one(prompt, async_scheduling, max_tokens=k))
-    assert result == (cont[:k], "length") == expected(prompt, max_tokens=k)
+    assert result == (cont[:k], "stop") == expected(prompt, max_tokens=k)
+
+
+def test_stop_token_on_the_last_allowed_token_finishes_with_stop(async_scheduling: bool) -> None:
+    prompt, cont, k = eos_prompt()
+    params = {"max_tokens": 2, "stop_token_ids": [cont[1]], "ignore_eos": True}
+    outputs = run_one(prompt, async_scheduling, **params)
+    assert tokens_and_reason(outputs) == (cont[:2], "stop") == expected(prompt, **params)
+    assert outputs[-1].stop_reason == cont[1]
 
 
 def test_stop_rules_in_a_mixed_batch(async_scheduling: bool) -> None:

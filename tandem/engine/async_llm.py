@@ -14,9 +14,16 @@ Contracts:
   engine (its KV blocks return through the fence). A consumer more than
   `stream_buffer_size` outputs behind gets `StreamOverflowError` and its request is
   aborted; nobody else waits for it (the output handler never blocks on a consumer).
-- `n > 1` runs n sequences `{j}_{request_id}` on one engine (they share the prompt's KV
-  through prefix caching); each yielded output holds the sequences that changed (DELTA) or
-  all of them (CUMULATIVE; FINAL_ONLY once all finished), each with its `index`.
+- Request identity is the front end's: the caller's `request_id` is only a label (it is
+  the `request_id` of every output, and `abort(label)` aborts every request in flight under
+  it). Each sequence runs in the engine under an internal id `"{label}-{serial}"` whose
+  serial this `AsyncLLM` never hands out twice, so no two sequences ever share an engine id
+  whatever labels clients choose (duplicates, `{j}_{id}` shapes, a label reused while the
+  engine still drains the abort of its previous request), and an output is delivered only
+  to the generator whose sequence produced it.
+- `n > 1` runs n sequences on one engine (they share the prompt's KV through prefix
+  caching); each yielded output holds the sequences that changed (DELTA) or all of them
+  (CUMULATIVE; FINAL_ONLY once all finished), each with its `index`.
 - With `data_parallel_size = N` there are N engine cores, each with its own worker and KV
   pool; a request goes to the engine with the least load: its requests in flight here
   plus three times the WAITING requests it last reported (`engine_stats`).
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import itertools
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -56,9 +64,10 @@ from tandem.stack_file import load_config
 logger = logging.getLogger("tandem.engine")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Parent:
-    """A user request: its sequences (one, or n), the engine running them, its stream."""
+    """A user request: its sequences (one, or n, by internal id), the engine running them,
+    its stream. `request_id` is the caller's label."""
 
     request_id: str
     child_ids: list[str]
@@ -109,7 +118,9 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._builder = RequestBuilder(self.config, self.tokenizer)
         self._timings = RequestTimings()
-        self._parents: dict[str, _Parent] = {}
+        #: Requests in flight by label; several may share one label.
+        self._parents: dict[str, list[_Parent]] = {}
+        self._serials = itertools.count()
         self._child_parent: dict[str, tuple[_Parent, int]] = {}
         self._in_flight = [0] * data_parallel_size
         self._engine_stats: list[dict[str, Any] | None] = [None] * data_parallel_size
@@ -185,11 +196,11 @@ class AsyncLLM:
         self._bind_loop()
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
-        if request_id in self._parents:
-            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id: expected a string, got {type(request_id).__name__}")
         params = sampling_params or self.get_default_sampling_params()
         text, token_ids = self._builder.prompt_token_ids(prompt, "prompt")
-        child_ids = [f"{j}_{request_id}" for j in range(params.n)] if params.n > 1 else [request_id]
+        child_ids = [f"{request_id}-{next(self._serials)}" for _ in range(params.n)]
         requests = [
             self._builder.build(
                 cid, token_ids, params.child(j) if params.n > 1 else params, priority
@@ -206,7 +217,7 @@ class AsyncLLM:
             RequestStream(self.stream_buffer_size),
             params.output_kind,
         )
-        self._parents[request_id] = parent
+        self._parents.setdefault(request_id, []).append(parent)
         for j, r in enumerate(requests):
             self._child_parent[r.request_id] = (parent, j)
             self.output_processor.add_request(
@@ -231,10 +242,9 @@ class AsyncLLM:
             self._forget_parent(parent)
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request in flight (its generator then ends without a final output);
-        unknown ids are ignored."""
-        parent = self._parents.get(request_id)
-        if parent is not None:
+        """Abort every request in flight under the label `request_id` (each generator then
+        ends without a final output); unknown labels are ignored."""
+        for parent in list(self._parents.get(request_id, ())):
             self._abort_parent(parent, "abort")
             parent.stream.fail(asyncio.CancelledError(f"request {request_id} was aborted"))
 
@@ -258,8 +268,11 @@ class AsyncLLM:
         self._timings.end(child_id, reason, stats)
 
     def _forget_parent(self, parent: _Parent) -> None:
-        if self._parents.get(parent.request_id) is parent:
-            del self._parents[parent.request_id]
+        same_label = self._parents.get(parent.request_id, [])
+        if parent in same_label:
+            same_label.remove(parent)
+            if not same_label:
+                del self._parents[parent.request_id]
         parent.stream.closed = True
 
     # Engine messages (on the event loop) --------------------------------------------------
@@ -326,6 +339,7 @@ class AsyncLLM:
             parent.finished.add(index)
         finished = len(parent.finished) == len(parent.child_ids)
         if len(parent.child_ids) == 1:
+            output.request_id = parent.request_id  # the internal id never leaves
             merged = output
         elif parent.output_kind == RequestOutputKind.DELTA:
             merged = self._as_parent(parent, output, [completion], finished)
@@ -368,8 +382,9 @@ class AsyncLLM:
         self.dead_error = reason
         logger.error("the engine died: %s", reason)
         error = EngineDeadError(reason)
-        for parent in list(self._parents.values()):
-            parent.stream.fail(error)
+        for parents in list(self._parents.values()):
+            for parent in parents:
+                parent.stream.fail(error)
         for waiter in self._dead_waiters:
             if not waiter.done():
                 waiter.set_result(reason)

@@ -20,7 +20,9 @@ class NewRequestData:
 
     `token_ids` holds every known token (prompt, then confirmed outputs for a resumed
     request); `num_prompt_tokens` says where the prompt ends. `num_computed_tokens` counts
-    the prefix-cache hit already present in `block_ids`.
+    the prefix-cache hit already present in `block_ids`. `input_error`, when set, says why
+    this request's own data could not reach the worker (an executor could not send it);
+    the worker then ends the request alone with that reason.
     """
 
     req_id: str
@@ -30,6 +32,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
+    input_error: str | None = None
 
 
 @dataclass(slots=True)

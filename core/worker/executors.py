@@ -12,6 +12,7 @@ messages without pickle (`tandem.core.messages`): `ExecuteModel`, `SampleTokens`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing as mp
 import threading
 import traceback
@@ -38,6 +39,7 @@ from tandem.core.messages import (
 from tandem.core.model_runner_output import ModelRunnerOutput, resolve_output
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.worker import Worker
+from tandem.sampling_params import SamplingParams
 
 
 class InProcessExecutor(Executor):
@@ -130,8 +132,7 @@ class ProcessExecutor(Executor):
         )
         self._reader.start()
 
-    def _send(self, message: ExecuteModel | SampleTokens) -> Future:
-        data = encode(message)
+    def _send(self, data: bytes) -> Future:
         future: Future = Future()
         with self._lock:
             if self._closed:
@@ -161,11 +162,15 @@ class ProcessExecutor(Executor):
                 )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[None]:
-        return self._send(ExecuteModel(scheduler_output))
+        try:
+            data = encode(ExecuteModel(scheduler_output))
+        except (OverflowError, TypeError, ValueError) as exc:
+            data = encode(ExecuteModel(_sendable(scheduler_output, exc)))
+        return self._send(data)
 
     def sample_tokens(self, grammar_bitmask: torch.Tensor | None) -> Future[ModelRunnerOutput]:
         bitmask = TensorData.of(grammar_bitmask) if grammar_bitmask is not None else None
-        return self._send(SampleTokens(bitmask))
+        return self._send(encode(SampleTokens(bitmask)))
 
     def shutdown(self) -> None:
         with self._lock:
@@ -178,3 +183,23 @@ class ProcessExecutor(Executor):
         if self.process.is_alive():
             self.process.terminate()
         self._conn.close()
+
+
+def _sendable(scheduler_output: SchedulerOutput, error: Exception) -> SchedulerOutput:
+    """`scheduler_output` with each new request that cannot be encoded on its own (a value
+    the wire format cannot carry, e.g. an integer past 64 bits) replaced by a stand-in that
+    carries only the reason (`NewRequestData.input_error`): the worker ends that request
+    alone. Raises `error` again when no single request explains it."""
+    replaced = []
+    for new in scheduler_output.scheduled_new_reqs:
+        try:
+            encode(ExecuteModel(dataclasses.replace(scheduler_output, scheduled_new_reqs=[new])))
+            replaced.append(new)
+        except (OverflowError, TypeError, ValueError) as exc:
+            reason = f"its data cannot be sent to the worker process: {exc}"
+            replaced.append(
+                dataclasses.replace(new, sampling_params=SamplingParams(), input_error=reason)
+            )
+    if all(a is b for a, b in zip(replaced, scheduler_output.scheduled_new_reqs, strict=True)):
+        raise error
+    return dataclasses.replace(scheduler_output, scheduled_new_reqs=replaced)

@@ -17,6 +17,7 @@ A `StepModel` does the math: the scripted test model or a real transformer.
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
@@ -44,6 +45,8 @@ from tandem.core.worker.sampling_inputs import (
 )
 from tandem.core.worker.sampling_metadata import SamplingMetadata
 from tandem.sampling_params import num_logprobs
+
+logger = logging.getLogger("tandem.worker")
 
 
 class StepModel(Protocol):
@@ -107,10 +110,14 @@ class ModelRunner:
         self.device_outputs = (
             DeviceOutputs(model.device) if async_scheduling and num_spec_tokens == 0 else None
         )
-        #: Executed, not yet sampled steps: (output, batch, logits, hidden states or None).
+        #: Executed, not yet sampled steps: (output, batch, logits, hidden states or None,
+        #: the requests whose inputs failed in that step with the reason).
         self._pending: list[
-            tuple[SchedulerOutput, FlatBatch, torch.Tensor, torch.Tensor | None]
+            tuple[SchedulerOutput, FlatBatch, torch.Tensor, torch.Tensor | None, dict[str, str]]
         ] = []
+        #: Requests whose own inputs could not be prepared: left out of every step until the
+        #: scheduler reports them finished (the kernel ends them with their error).
+        self._excluded: set[str] = set()
         #: The drafter reads the target's last hidden states (`DraftContext.hidden_states`).
         self.keep_hidden_states = keep_hidden_states
         if keep_hidden_states:
@@ -122,30 +129,45 @@ class ModelRunner:
             model.keep_hidden_states = True
 
     # Executing a step ----------------------------------------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def _update_states(self, so: SchedulerOutput) -> dict[str, str]:
+        """Apply the step's request changes to the input batch. A new request whose own
+        data cannot be put in the batch (a parameter no validation caught) is left out and
+        returned as {id: reason}; the other requests go on."""
         ib = self.input_batch
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             ib.remove(req_id)
             self.drafts.forget(req_id)
             self.prompt_logprobs.forget(req_id)
+            self._excluded.discard(req_id)
+        failed: dict[str, str] = {}
         for new in so.scheduled_new_reqs:
-            ib.add(
-                new.req_id,
-                new.sampling_params,
-                token_ids=new.token_ids,
-                num_prompt_tokens=new.num_prompt_tokens,
-                block_ids=new.block_ids,
-                num_computed_tokens=new.num_computed_tokens,
-                eos_token_id=new.eos_token_id,
-            )
+            try:
+                if new.input_error is not None:
+                    raise ValueError(new.input_error)
+                ib.add(
+                    new.req_id,
+                    new.sampling_params,
+                    token_ids=new.token_ids,
+                    num_prompt_tokens=new.num_prompt_tokens,
+                    block_ids=new.block_ids,
+                    num_computed_tokens=new.num_computed_tokens,
+                    eos_token_id=new.eos_token_id,
+                )
+            except Exception as exc:  # this request's own data: end it alone
+                ib.remove(new.req_id)
+                failed[new.req_id] = f"input preparation failed: {type(exc).__name__}: {exc}"
+                logger.warning("request %s: %s", new.req_id, failed[new.req_id])
+                continue
             self.prompt_logprobs.admit(
                 new.req_id,
                 new.sampling_params.prompt_logprobs is not None
                 and len(new.token_ids) == new.num_prompt_tokens,
             )
+        self._excluded.update(failed)
         if so.scheduled_cached_reqs:
-            self._update_cached(so.scheduled_cached_reqs)
+            self._update_cached([c for c in so.scheduled_cached_reqs if c.req_id in ib.states])
         ib.condense()
+        return failed
 
     def _update_cached(self, cached: list[CachedRequestData]) -> None:
         """Append the new blocks of running requests and check the scheduler's claimed
@@ -172,6 +194,8 @@ class ModelRunner:
         """The step's flattened inputs, for the scheduled requests in row order."""
         ib = self.input_batch
         scheduled = so.num_scheduled_tokens
+        if self._excluded:
+            scheduled = {r: n for r, n in scheduled.items() if r not in self._excluded}
         if len(scheduled) == ib.num_rows:  # every row runs (no holes after condense)
             req_ids = [r for r in ib.req_ids if r is not None]
             rows = list(range(len(req_ids)))
@@ -184,7 +208,7 @@ class ModelRunner:
             req_ids,
             rows,
             [scheduled[r] for r in req_ids],
-            self.drafts.to_verify(so),
+            {r: d for r, d in self.drafts.to_verify(so).items() if r not in self._excluded},
             self.block_size,
             self.model.device,
             find_placeholders=self.device_outputs is not None,
@@ -193,7 +217,7 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> None:
         if self.diffusion is not None:
             return self.diffusion.execute_model(so)
-        self._update_states(so)
+        failed_inputs = self._update_states(so)
         batch = self._prepare_inputs(so)
         if self.device_outputs is not None:
             self.device_outputs.fill_sampled_inputs(batch)
@@ -201,7 +225,7 @@ class ModelRunner:
         hidden = None
         if self.keep_hidden_states and batch.num_tokens:
             hidden, self.model.last_hidden_states = self.model.last_hidden_states, None
-        self._pending.append((so, batch, logits, hidden))
+        self._pending.append((so, batch, logits, hidden, failed_inputs))
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         """The model's logits at the sampled rows. For requests collecting prompt logprobs,
@@ -236,7 +260,7 @@ class ModelRunner:
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         if self.diffusion is not None:
             return self.diffusion.sample_tokens(grammar_bitmask)
-        so, batch, logits, hidden = self._pending.pop(0)
+        so, batch, logits, hidden, failed_inputs = self._pending.pop(0)
         sampling = [batch.req_ids[r] for r in batch.sample_req_indices]
         prompt_logprobs = self.prompt_logprobs.take(sampling)
         result: SamplerOutput | None = None
@@ -254,7 +278,7 @@ class ModelRunner:
             else num_logprobs(states[req_id].sampling_params.logprobs, self.model.vocab_size)
             for r, req_id in zip(batch.sample_req_indices, sampling, strict=True)
         ]
-        failed = {batch.req_ids[r]: message for r, message in failures.items()}
+        failed = {**failed_inputs, **{batch.req_ids[r]: m for r, m in failures.items()}}
         if self.device_outputs is not None:
             pending = self.device_outputs.keep(batch, self.input_batch, result, num_top, failed)
             pending.prompt_logprobs = prompt_logprobs

@@ -1,0 +1,68 @@
+"""A request whose own data breaks the worker's input preparation ends alone, with an
+error naming the field; every other request in the step goes on and the engine keeps
+serving (before: "step 0 failed with ValueError" stopped the engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.testing import (
+    collect_outputs,
+    expected_scripted_output,
+    make_request,
+    make_scripted_engine,
+)
+
+PROMPTS = {"a": [3, 4, 5, 6, 7], "b": [9] * 13, "c": [2, 7, 1, 8, 2, 8]}
+
+
+def expected(prompt: list[int]) -> tuple[list[int], str]:
+    from tandem.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    return expected_scripted_output(prompt, params, 128, 1, 64)
+
+
+@pytest.mark.parametrize(
+    ("executor", "async_scheduling"),
+    [("inprocess", False), ("inprocess", True), ("thread", True), ("process", True)],
+)
+def test_a_seed_past_64_bits_in_the_worker_ends_only_its_request(
+    executor: str, async_scheduling: bool
+) -> None:
+    engine = make_scripted_engine(
+        parallel={"executor": executor},
+        async_scheduling=async_scheduling,
+        max_num_batched_tokens=16,
+        num_kv_blocks=40,
+        max_model_len=64,
+    )
+    try:
+        for rid, prompt in PROMPTS.items():
+            engine.add_request(make_request(rid, prompt, max_tokens=10, ignore_eos=True))
+        bad = make_request("bad", [5, 6, 7], max_tokens=10, temperature=1.0, seed=7)
+        engine.add_request(bad)
+        # as a plugin or `model_construct` could: past validation, into the worker
+        bad.sampling_params = bad.sampling_params.model_copy(update={"seed": 2**70})
+        outputs = collect_outputs(engine)
+        assert outputs["bad"] == ([], "error")
+        for rid, prompt in PROMPTS.items():
+            assert outputs[rid] == expected(prompt), rid
+        assert engine.dead_error is None
+        again = make_request("bad", PROMPTS["a"], max_tokens=10, ignore_eos=True)
+        engine.add_request(again)
+        assert collect_outputs(engine) == {"bad": expected(PROMPTS["a"])}
+    finally:
+        engine.shutdown()
+
+
+def test_the_error_names_the_field() -> None:
+    engine = make_scripted_engine(max_model_len=64)
+    bad = make_request("bad", [5, 6, 7], max_tokens=4, temperature=1.0, seed=7)
+    engine.add_request(bad)
+    bad.sampling_params = bad.sampling_params.model_copy(update={"seed": -1})
+    errors = []
+    while engine.has_unfinished_requests():
+        outputs, _ = engine.step_fn()
+        errors += [o.error for o in outputs if o.finish_reason == "error"]
+    assert len(errors) == 1 and "seed" in errors[0] and "input preparation" in errors[0]

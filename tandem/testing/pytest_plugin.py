@@ -7,17 +7,24 @@ Registered under the `pytest11` entry point, so it is active wherever tandem is 
 Conformance (see `tandem.testing.conformance`)::
 
     python -m pytest -p tandem --tandem-conformance NAME [--tandem-conformance NAME2 ...] \\
-        [--tandem-conformance-options '{"option": "value"}']
+        [--tandem-conformance-stack STACK.yaml ...] \\
+        [--tandem-conformance-options 'NAME={"option": "value"}' ...]
 
 adds one item per (check, mode) for each scheduler plugin NAME (an entry point of the
 group `tandem.plugins`, or a class by its import path `module:Class`), with ids like
-`tandem-conformance[NAME]::greedy-parity[async]`. A diffusion scheduler runs on the
+`tandem-conformance[NAME]::greedy-parity[async]`, and for each stack file (its `plugins:`
+list, in order, as the unit under test: `tandem.testing.conformance.stack`), with ids like
+`tandem-conformance-stack[STACK.yaml]::victim-starvation[sync]`. A diffusion scheduler runs on the
 scripted diffusion model (`conformance/kinds.py`); what does not apply to it is skipped
 with the reason "n/a: ..." (`-rs` prints it): the checks' items, plus one item
 `RULE[n/a]` per rule inside the checks that does not apply.
 It works in any directory, even an empty one (the items do not come from files; tests
-collected from files run as usual beside them). `--tandem-conformance-options` is a JSON
-object of plugin options given to every NAME. `-k` selects items as usual, e.g.
+collected from files run as usual beside them). `--tandem-conformance-options NAME=JSON`
+(repeatable, once per plugin) gives the plugin NAME its options: a JSON object, for a
+`--tandem-conformance NAME` or for the entry NAME of a stack (merged over the options the
+file gives it). A bare JSON object (the old form) is accepted only when exactly one plugin
+and no stack is named; otherwise it is a usage error, since it could not say whose
+options it holds. `-k` selects items as usual, e.g.
 `-k "abort and sync"`. A failed item shows the `ConformanceError`: the check, the mode,
 the step, the rule, the request and its ledger.
 
@@ -81,39 +88,106 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the schema corpus of --tandem-grammar-conformance (default: ci)",
     )
     group.addoption(
+        "--tandem-conformance-stack",
+        action="append",
+        default=[],
+        metavar="STACK.yaml",
+        help="run the tandem conformance checks on a whole stack file (its plugins, in "
+        "order, with their options); repeatable",
+    )
+    group.addoption(
         "--tandem-conformance-options",
-        default=None,
-        metavar="JSON",
-        help="a JSON object of plugin options for every --tandem-conformance plugin",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="options of the plugin NAME (a --tandem-conformance plugin or a stack's "
+        "entry) as a JSON object; repeatable, once per plugin. A bare JSON object is "
+        "accepted when exactly one plugin and no stack is named",
     )
 
 
-def _conformance_options(config: pytest.Config) -> dict[str, Any]:
-    raw = config.getoption("tandem_conformance_options")
-    if raw is None:
-        return {}
+def _json_object(text: str, where: str) -> dict[str, Any]:
     try:
-        options = json.loads(raw)
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise pytest.UsageError(f"--tandem-conformance-options: invalid JSON: {exc}") from exc
-    if not isinstance(options, dict):
-        raise pytest.UsageError("--tandem-conformance-options: expected a JSON object")
+        raise pytest.UsageError(f"{where}: invalid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise pytest.UsageError(f"{where}: expected a JSON object, got {text!r}")
+    return value
+
+
+def _conformance_options(
+    config: pytest.Config, stack_names: list[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """The per-plugin options of `--tandem-conformance-options`, by plugin name (usage
+    errors name the argument, the plugin and what was expected)."""
+    names = list(config.getoption("tandem_conformance"))
+    stacks = list(config.getoption("tandem_conformance_stack"))
+    known = names + [n for n in stack_names or [] if n not in names]
+    options: dict[str, dict[str, Any]] = {}
+    for raw in config.getoption("tandem_conformance_options"):
+        if raw.lstrip().startswith("{"):
+            if len(names) != 1 or stacks:
+                raise pytest.UsageError(
+                    "--tandem-conformance-options: a bare JSON object is ambiguous with "
+                    f"{len(names)} --tandem-conformance plugin(s) and {len(stacks)} stack(s); "
+                    "give NAME=JSON, one per plugin (e.g. "
+                    f"{(known or ['srpt-order'])[0]}='{{\"option\": 1}}')"
+                )
+            name, text = names[0], raw
+        else:
+            name, sep, text = raw.partition("=")
+            name = name.strip()
+            if not sep or not name:
+                raise pytest.UsageError(
+                    f"--tandem-conformance-options {raw!r}: expected NAME=JSON (the plugin's "
+                    "name, '=', a JSON object of its options)"
+                )
+        where = f"--tandem-conformance-options {name}="
+        if name not in known:
+            raise pytest.UsageError(
+                f"{where}...: no plugin {name!r} is under test; the plugins under test: "
+                f"{', '.join(known) or '(none)'}"
+            )
+        if name in options:
+            raise pytest.UsageError(f"{where}...: given twice; give each plugin's options once")
+        options[name] = _json_object(text, where)
     return options
+
+
+def _conformance_stacks(config: pytest.Config) -> list[Any]:
+    """Each `--tandem-conformance-stack` file as a `StackUnderTest`, the per-plugin
+    options merged in (a bad file or option is a usage error naming it)."""
+    from tandem.config import ConfigError
+    from tandem.testing.conformance.stack import load_stack
+
+    paths = config.getoption("tandem_conformance_stack")
+    try:
+        plain = [load_stack(path) for path in paths]
+        options = _conformance_options(config, [n for s in plain for n in s.names()])
+        return [
+            load_stack(path, {n: o for n, o in options.items() if n in stack.names()})
+            for path, stack in zip(paths, plain, strict=True)
+        ]
+    except ConfigError as exc:
+        raise pytest.UsageError(f"--tandem-conformance-stack: {exc}") from exc
 
 
 def pytest_configure(config: pytest.Config) -> None:
     from tandem.testing.doubles import register_test_plugins
 
     register_test_plugins()  # the doubles resolve by name in every session (idempotent)
-    if config.getoption("tandem_conformance", None):
-        _conformance_options(config)  # a usage error before anything runs
+    if config.getoption("tandem_conformance_stack", None):
+        _conformance_stacks(config)  # usage errors before anything runs
+    elif config.getoption("tandem_conformance", None):
+        _conformance_options(config)
 
 
 class ConformanceItem(pytest.Item):
     """One conformance check of one plugin in one mode."""
 
     def __init__(
-        self, *, plugin: str, check: str, mode: str, options: dict[str, Any], **kwargs: Any
+        self, *, plugin: Any, check: str, mode: str, options: dict[str, Any], **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
         self.plugin = plugin
@@ -158,9 +232,9 @@ class NotApplicableItem(pytest.Item):
 class ConformanceSuite(pytest.Collector):
     """The conformance items of one plugin (not collected from a file)."""
 
-    def __init__(self, *, plugin: str, options: dict[str, Any], **kwargs: Any) -> None:
+    def __init__(self, *, plugin: Any, options: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.plugin = plugin
+        self.plugin = plugin  # a plugin name, or a StackUnderTest
         self.options = options
 
     def collect(self) -> list[pytest.Item]:
@@ -256,13 +330,17 @@ def pytest_collection_modifyitems(
         )
         items.extend(collected)
     names = config.getoption("tandem_conformance")
-    if not names:
+    stacks = _conformance_stacks(config) if config.getoption("tandem_conformance_stack") else []
+    if not names and not stacks:
         return
-    options = _conformance_options(config)
-    for name in names:
-        node = f"tandem-conformance[{name}]"
+    options = _conformance_options(config, [n for s in stacks for n in s.names()])
+    suites: list[tuple[str, Any, dict[str, Any]]] = [
+        (f"tandem-conformance[{name}]", name, options.get(name, {})) for name in names
+    ]
+    suites += [(f"tandem-conformance-stack[{s.path}]", s, {}) for s in stacks]
+    for node, plugin, plugin_options in suites:
         suite = ConformanceSuite.from_parent(
-            session, name=node, nodeid=node, plugin=name, options=options
+            session, name=node, nodeid=node, plugin=plugin, options=plugin_options
         )
         collected = suite.collect()
         # Report them like collected files' items, so the counts pytest prints include them.

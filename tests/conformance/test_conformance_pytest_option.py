@@ -117,18 +117,25 @@ def test_options_reach_the_plugin(tmp_path: Path) -> None:
 
 
 class _Config:
-    def __init__(self, raw: str | None) -> None:
-        self.raw = raw
+    """A stand-in for `pytest.Config` holding the conformance options."""
 
-    def getoption(self, name: str) -> str | None:
-        assert name == "tandem_conformance_options"
-        return self.raw
+    def __init__(self, options: list[str], names: list[str], stacks: list[str] = ()) -> None:
+        self.values = {
+            "tandem_conformance_options": options,
+            "tandem_conformance": names,
+            "tandem_conformance_stack": list(stacks),
+        }
+
+    def getoption(self, name: str) -> list[str]:
+        return self.values[name]
 
 
 def test_conformance_options_must_be_a_json_object() -> None:
-    assert _conformance_options(_Config(None)) == {}  # type: ignore[arg-type]
-    assert _conformance_options(_Config('{"a": 1}')) == {"a": 1}  # type: ignore[arg-type]
+    one = ["reference-scheduler"]
+    assert _conformance_options(_Config([], one)) == {}  # type: ignore[arg-type]
+    legacy = _conformance_options(_Config(['{"a": 1}'], one))  # type: ignore[arg-type]
+    assert legacy == {"reference-scheduler": {"a": 1}}
     with pytest.raises(pytest.UsageError, match="invalid JSON"):
-        _conformance_options(_Config("{nope"))  # type: ignore[arg-type]
+        _conformance_options(_Config(["{nope"], one))  # type: ignore[arg-type]
     with pytest.raises(pytest.UsageError, match="JSON object"):
-        _conformance_options(_Config("[1]"))  # type: ignore[arg-type]
+        _conformance_options(_Config(["reference-scheduler=[1]"], one))  # type: ignore[arg-type]

@@ -43,6 +43,7 @@ def test_the_workloads_exercise_their_checks(report: ConformanceReport, mode: st
     abort = report.result("abort", mode).details
     assert abort["aborted_after_scheduling"] >= 4, abort
     assert abort["preemptions"] > 0, abort
+    assert report.result("victim-starvation", mode).details["preemptions"] > 0
     # A real queue forms, and the reference stays within the bound.
     ratio = report.result("bounded-wait", mode).details["max_wait_ratio"]
     assert 0.25 < ratio <= 1.0, ratio

@@ -18,7 +18,12 @@ Use from Python::
 or from pytest, in any directory (even an empty one), one item per (check, mode)::
 
     python -m pytest -p tandem --tandem-conformance my-scheduler \
-        [--tandem-conformance-options '{"some_option": 1}']
+        [--tandem-conformance-options 'my-scheduler={"some_option": 1}']
+
+A whole stack file is a unit under test too (`stack.py`): its `plugins:` list, in order,
+with its options (`run_stack_conformance(path, {name: options})`, or
+`--tandem-conformance-stack stack.yaml`, with `--tandem-conformance-options NAME=JSON`
+merged over the file's options of the entry NAME).
 
 The plugin is found by name, exactly as a stack file names it (an entry point of
 `tandem.plugins`, a name registered in-process, or `module:Class`): each engine runs the stack `[{"name": NAME, "options": OPTIONS},
@@ -56,6 +61,11 @@ Checks (`CHECKS`), each run in both modes (`MODES`):
   strict prefix of their exact tokens, all others are exact, nothing leaks.
 - `preemption` (f): KV pools the size of one max-length sequence force preemption by
   recompute; outputs stay exact and nothing leaks.
+- `victim-starvation` (h): a long request beside a steady stream of short ones on a KV
+  pool of one max-length sequence, so it is preempted again and again: no request is
+  preempted more than `PREEMPTION_BOUND` times (a victim rule with no starvation bound
+  keeps choosing the long request; the error says so), and the long request finishes
+  within twice the steps it needs alone plus 16 (`RequestSpec.finish_by`).
 - `grammar-ready` (g): requests a plugin reports in `requests_not_ready` for a number of
   steps (a grammar compiling) are never scheduled before they are ready, the requests
   added behind them are scheduled meanwhile (waiting for a grammar blocks no one), and
@@ -84,10 +94,11 @@ Per step, every check verifies (a violation raises `ConformanceError` naming the
 At the end of every run: the engine is idle, the scheduler holds no requests, every KV
 block is free, every request finished, and outputs are exact.
 
-Layout: `workloads.py` (requests, workloads, the waiting bound and its derivation),
-`scenarios.py` (the checks and their workloads), `rules.py` (the per-step and end-of-run
-rules), `run.py` (driving one engine through a workload), `report.py` (errors and
-reports), `ledger.py` (ledger traces); this module registers plugins and runs checks.
+Layout: `workloads.py` (requests, workloads, the waiting bound and its derivation, the
+starvation bound), `scenarios.py` (the checks and their workloads), `rules.py` (the
+per-step and end-of-run rules), `run.py` (driving one engine through a workload),
+`stack.py` (a stack file as the unit under test), `report.py` (errors and reports),
+`ledger.py` (ledger traces); this module registers plugins and runs checks.
 """
 
 from __future__ import annotations
@@ -116,9 +127,11 @@ from tandem.testing.conformance.report import (
 )
 from tandem.testing.conformance.run import RunResult, reference_outputs, run_workload, stack_for
 from tandem.testing.conformance.scenarios import _CHECKS_BY_NAME, CHECK_LIST, CHECKS, Check
+from tandem.testing.conformance.stack import StackUnderTest, load_stack
 from tandem.testing.conformance.workloads import (
     EOS,
     MODES,
+    PREEMPTION_BOUND,
     REFERENCE_SCHEDULER,
     SEEDED_TEMPERATURE,
     VOCAB,
@@ -137,6 +150,7 @@ __all__ = [
     "EOS",
     "MODES",
     "NOT_APPLICABLE",
+    "PREEMPTION_BOUND",
     "REFERENCE_SCHEDULER",
     "SEEDED_TEMPERATURE",
     "VOCAB",
@@ -151,16 +165,19 @@ __all__ = [
     "Outputs",
     "RequestSpec",
     "RunResult",
+    "StackUnderTest",
     "Workload",
     "adapt_workload",
     "check_conformance",
     "check_wait_bound_regime",
     "format_ledger_trace",
     "ledger_trace",
+    "load_stack",
     "not_applicable",
     "reference_outputs",
     "registered_plugins",
     "run_conformance",
+    "run_stack_conformance",
     "run_workload",
     "scheduler_kind",
     "stack_for",
@@ -191,10 +208,10 @@ def registered_plugins(plugins: Mapping[str, type]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _plugin_name(plugin: str | type) -> Iterator[str]:
-    """The name to run: `plugin` itself, or a class registered for the block under
-    `test-<kebab-case class name>`."""
-    if isinstance(plugin, str):
+def _plugin_name(plugin: str | type | StackUnderTest) -> Iterator[str | StackUnderTest]:
+    """What to run: `plugin` itself (a name or a stack), or a class registered for the
+    block under `test-<kebab-case class name>`."""
+    if isinstance(plugin, (str, StackUnderTest)):
         yield plugin
         return
     name = f"test-{_kebab(plugin.__name__)}"
@@ -203,7 +220,7 @@ def _plugin_name(plugin: str | type) -> Iterator[str]:
 
 
 def check_conformance(
-    plugin: str | type,
+    plugin: str | type | StackUnderTest,
     check: str,
     mode: Mode,
     options: Mapping[str, Any] | None = None,
@@ -244,7 +261,7 @@ def check_conformance(
 
 
 def run_conformance(
-    plugin: str | type,
+    plugin: str | type | StackUnderTest,
     options: Mapping[str, Any] | None = None,
     checks: Sequence[str] | None = None,
     modes: Sequence[Mode] = MODES,
@@ -264,10 +281,23 @@ def run_conformance(
         for check in selected:
             for mode in modes:
                 results.append(_run_one(name, check, mode, options))
-    return ConformanceReport(name, results, kind, dict(NOT_APPLICABLE[kind]))
+    return ConformanceReport(str(name), results, kind, dict(NOT_APPLICABLE[kind]))
 
 
-def _run_one(name: str, check: str, mode: Mode, options: Mapping[str, Any] | None) -> CheckResult:
+def run_stack_conformance(
+    path: str,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    checks: Sequence[str] | None = None,
+    modes: Sequence[Mode] = MODES,
+) -> ConformanceReport:
+    """`run_conformance` on a whole stack file: its plugin list, in order, with each
+    entry's options merged under `options[name]` (`stack.load_stack`)."""
+    return run_conformance(load_stack(path, options), checks=checks, modes=modes)
+
+
+def _run_one(
+    name: str | StackUnderTest, check: str, mode: Mode, options: Mapping[str, Any] | None
+) -> CheckResult:
     start = time.perf_counter()
     try:
         details = check_conformance(name, check, mode, options)

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from tandem.config import ConfigError
 from tandem.plugin_discovery import load_plugin_class
+from tandem.testing.conformance.stack import StackUnderTest
 from tandem.testing.conformance.workloads import VOCAB, RequestSpec, Workload
 from tandem.testing.scripted_diffusion import scripted_canvas
 from tandem.testing.scripted_model import scripted_next_token
@@ -51,6 +52,11 @@ NOT_APPLICABLE: Mapping[Kind, Mapping[str, str]] = {
         "request runs in at most M + a steps); a diffusion request schedules a whole "
         "canvas per step, needs several steps per canvas and, under async, runs only every "
         "other step, so neither term of the derivation holds",
+        "victim-starvation": "the preemption bound is measured on AR decodes (one token "
+        "per running request per step); a diffusion request allocates a whole canvas per "
+        "step and, under async, runs only every other step, so its preemption counts are "
+        "not comparable (the diffusion scheduler's own FCFS rule preempts one short request "
+        "9 times in the async starve-decode workload)",
         "min-tokens": "a diffusion model refuses min_tokens (tandem.diffusion_config: the "
         "denoising sampler cannot suppress EOS inside a canvas); the workloads run with "
         "min_tokens 0",
@@ -58,9 +64,13 @@ NOT_APPLICABLE: Mapping[Kind, Mapping[str, str]] = {
 }
 
 
-def scheduler_kind(plugin: str) -> Kind:
-    """The kind of the plugin named `plugin` (see the module docstring); a name that does
-    not load counts as autoregressive (the engine start then reports it)."""
+def scheduler_kind(plugin: str | StackUnderTest) -> Kind:
+    """The kind of the plugin named `plugin`, or of a stack's scheduler (see the module
+    docstring); a name that does not load counts as autoregressive (the engine start then
+    reports it)."""
+    if isinstance(plugin, StackUnderTest):
+        scheduler = plugin.scheduler()
+        return scheduler_kind(scheduler) if scheduler is not None else "autoregressive"
     try:
         cls = load_plugin_class(plugin)
     except ConfigError:

@@ -33,6 +33,7 @@ class DriverRules:
     first_scheduled: dict[str, int]
     wait_bounds: dict[str, int]
     preemptions: int
+    preempted_counts: dict[str, int]
     max_num_seqs: int
     max_num_batched_tokens: int
     seeded_expected: Outputs | None
@@ -57,6 +58,7 @@ class DriverRules:
             self.first_scheduled.setdefault(rid, self.step)
         if output.preempted_req_ids:
             self.preemptions += len(output.preempted_req_ids)
+            self.check_preemption_bound(output.preempted_req_ids)
             if output.scheduled_new_reqs:
                 admitted = output.scheduled_new_reqs[0].req_id
                 raise self.error(
@@ -194,6 +196,7 @@ class DriverRules:
                 )
         if self.workload.enforce_wait_bound:
             self.check_waits()
+        self.check_finish_by()
         if idle:
             self.check_idle(state)
 
@@ -210,6 +213,43 @@ class DriverRules:
                     f"step {self.arrival[rid]}); bound {bound}",
                     rid,
                 )
+
+    def check_preemption_bound(self, preempted: set[str]) -> None:
+        """The starvation rule: no request is preempted more than the workload's
+        `max_preemptions_per_request` times."""
+        bound = self.workload.max_preemptions_per_request
+        for rid in preempted:
+            count = self.preempted_counts[rid] = self.preempted_counts.get(rid, 0) + 1
+            if bound is not None and count > bound:
+                later = [
+                    other
+                    for other, reason in self.finish.items()
+                    if reason is not None and self.arrival[other] > self.arrival[rid]
+                ]
+                raise self.error(
+                    f"starvation bound: no request is preempted more than {bound} times",
+                    f"{rid} was preempted {count} times in the {self.step - self.arrival[rid]} "
+                    f"steps since it arrived, while {len(later)} requests that arrived after "
+                    f"it finished: the victim rule keeps choosing it, so under a steady "
+                    f"stream it is recomputed without end. A victim rule needs a starvation "
+                    f"bound, e.g. never choose a request preempted k times while a candidate "
+                    f"preempted fewer times runs (examples/tandem-lrw)",
+                    rid,
+                )
+
+    def check_finish_by(self) -> None:
+        """Requests with a `finish_by` step have finished by then."""
+        for rid, spec in self.specs.items():
+            due = spec.finish_by
+            if due is None or self.step <= due or self.finish.get(rid) is not None:
+                continue
+            raise self.error(
+                "a request that is preempted repeatedly still finishes within its bound",
+                f"{rid} (arrived after step {spec.arrival}, {len(spec.prompt)} prompt tokens, "
+                f"max_tokens {spec.max_tokens}) has not finished after step {due}; it was "
+                f"preempted {self.preempted_counts.get(rid, 0)} times",
+                rid,
+            )
 
     def check_idle(self, state: SchedulerState) -> None:
         if state.requests or state.waiting or state.running:

@@ -27,6 +27,7 @@ from tandem.testing.conformance.kinds import (
 from tandem.testing.conformance.report import ConformanceError
 from tandem.testing.conformance.rules import DriverRules
 from tandem.testing.conformance.scenarios import CHECK_LIST
+from tandem.testing.conformance.stack import StackUnderTest
 from tandem.testing.conformance.workloads import (
     EOS,
     REFERENCE_SCHEDULER,
@@ -66,12 +67,17 @@ class RunResult:
         return max(ratios, default=0.0)
 
 
-def stack_for(plugin: str, options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+def stack_for(
+    plugin: str | StackUnderTest, options: Mapping[str, Any] | None = None, mode: Mode = "sync"
+) -> list[dict[str, Any]]:
     """The stack a conformance engine runs: the plugin as scheduler, then the sampler of
     its kind (`default-sampler`; `diffusion-sampler` for a diffusion scheduler; the async
     layer is inserted by the plugin manager when async is on). A policy plugin (one
     without the scheduler role: a WAITING order, a victim or a readiness seam) runs
-    stacked after `reference-scheduler`."""
+    stacked after `reference-scheduler`. A `StackUnderTest` runs as its file lists it
+    (`StackUnderTest.plugins(mode)`; its options were merged when it was loaded)."""
+    if isinstance(plugin, StackUnderTest):
+        return plugin.plugins(mode)
     entry = {"name": plugin, "options": dict(options or {})}
     sampler = {"name": sampler_for(scheduler_kind(plugin))}
     try:
@@ -135,7 +141,7 @@ class _Driver(DriverRules):
 
     def __init__(
         self,
-        plugin: str,
+        plugin: str | StackUnderTest,
         options: Mapping[str, Any] | None,
         workload: Workload,
         mode: Mode,
@@ -157,6 +163,8 @@ class _Driver(DriverRules):
         self.first_scheduled: dict[str, int] = {}
         self.wait_bounds: dict[str, int] = {}
         self.preemptions = 0
+        #: Per request, the steps that preempted it (`SchedulerOutput.preempted_req_ids`).
+        self.preempted_counts: dict[str, int] = {}
         self.idle_points = 0
         if workload.enforce_wait_bound:
             check_wait_bound_regime(workload)
@@ -166,7 +174,7 @@ class _Driver(DriverRules):
                 eos_token_id=EOS,
                 check_invariants=True,
                 async_scheduling=mode == "async",
-                plugins=stack_for(plugin, options),
+                plugins=stack_for(plugin, options, mode),
                 **{**model_overrides(self.kind), **workload.limits},
             )
             self.engine = EngineCore(config)
@@ -179,7 +187,7 @@ class _Driver(DriverRules):
     def error(self, invariant: str, detail: str, request_id: str | None = None) -> ConformanceError:
         request = self.requests.get(request_id) if request_id is not None else None
         return ConformanceError(
-            plugin=self.plugin,
+            plugin=str(self.plugin),
             check=self.check,
             mode=self.mode,
             workload=self.workload.name,
@@ -317,14 +325,14 @@ class _Driver(DriverRules):
 
 
 def run_workload(
-    plugin: str,
+    plugin: str | StackUnderTest,
     workload: Workload,
     mode: Mode = "sync",
     options: Mapping[str, Any] | None = None,
     check: str = "workload",
     seeded_expected: Outputs | None = None,
 ) -> RunResult:
-    """Run `workload` with `plugin` (an entry-point name) as the scheduler in `mode`,
+    """Run `workload` with `plugin` (an entry-point name, or a whole `StackUnderTest`) in `mode`,
     checking every per-step rule; raise `ConformanceError` (reported under `check`) on the
     first violation. Greedy requests are compared with `expected_scripted_output`, seeded
     ones with `seeded_expected` when given; under a diffusion scheduler (`kinds.py`) the

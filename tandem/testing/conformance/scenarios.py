@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tandem.testing.conformance.workloads import (
+    PREEMPTION_BOUND,
     SEEDED_TEMPERATURE,
     VOCAB,
     RequestSpec,
@@ -310,6 +311,59 @@ def _preemption_workloads() -> tuple[Workload, ...]:
     )
 
 
+def _starvation_workload(
+    name: str, seed: int, long: tuple[int, int], every: float, num_short: int
+) -> Workload:
+    """A long request (`long` = prompt length, max_tokens) arrives first; then a steady
+    stream of short ones, one every `every` steps, on a KV pool of one max-length sequence
+    (16 blocks of 4) with four seats, so running requests keep outgrowing the pool and the
+    scheduler keeps asking for victims. A victim rule that keeps choosing the long request
+    (the longest remaining work, the largest KV holder) recomputes it again and again while
+    the stream runs. It must finish within `finish_by`: twice the steps it needs alone
+    (its prefill chunks plus one step per output) plus 16, well before the stream ends."""
+    rng = random.Random(seed)
+    prompt_len, max_tokens = long
+    budget = 16
+    alone = -(-prompt_len // budget) + max_tokens
+    requests = [
+        RequestSpec(
+            f"{name}-long",
+            tuple(rng.choice([2, 3, 5, 7, 11]) for _ in range(prompt_len)),
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            finish_by=2 * alone + 16,
+        )
+    ]
+    requests += [
+        RequestSpec(
+            f"{name}-s{i}",
+            tuple(rng.choice([2, 3, 5, 7, 11]) for _ in range(rng.randint(3, 6))),
+            max_tokens=rng.randint(6, 14),
+            ignore_eos=True,
+            arrival=1 + int(i * every),
+        )
+        for i in range(num_short)
+    ]
+    return Workload(
+        name,
+        tuple(requests),
+        _limits(
+            num_kv_blocks=16,
+            max_num_batched_tokens=budget,
+            max_num_seqs=4,
+            enable_prefix_caching=False,
+        ),
+        max_preemptions_per_request=PREEMPTION_BOUND,
+    )
+
+
+def _starvation_workloads() -> tuple[Workload, ...]:
+    return (
+        _starvation_workload("starve-decode", 17, (16, 40), 2.0, 100),
+        _starvation_workload("starve-prefill", 18, (24, 32), 3.0, 70),
+    )
+
+
 def _grammar_ready_workloads() -> tuple[Workload, ...]:
     base = _random_requests(808, 8, 16, 12, 4, prefix="g")
     # g0 and g3 wait for their grammar; g1, g2 (behind g0) and the rest must not wait.
@@ -372,6 +426,12 @@ CHECK_LIST: tuple[Check, ...] = (
         "preemption",
         "preemption by recompute keeps outputs exact and leaks nothing",
         _preemption_workloads(),
+    ),
+    Check(
+        "victim-starvation",
+        "a request preempted again and again under a steady stream is preempted at most "
+        "PREEMPTION_BOUND times and finishes within its bound",
+        _starvation_workloads(),
     ),
     Check(
         "grammar-ready",

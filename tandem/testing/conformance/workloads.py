@@ -64,6 +64,16 @@ SEEDED_TEMPERATURE = 0.8
 
 Outputs = dict[str, tuple[list[int], str | None]]
 
+#: The starvation bound of the `victim-starvation` check: the most times one request may be
+#: preempted in its workloads (a long request beside a steady stream of short ones, on a
+#: KV pool of one max-length sequence). Measured on those two workloads (deterministic;
+#: sync and async): the reference FCFS rule preempts one request at most 3 times,
+#: `lrw-victim` with `max_preemptions: 2` at most 4, while rules with no bound preempt the
+#: long request far more often: longest remaining work 12-32 times, the largest KV holder
+#: 21-47. 8 sits between the two. It is a sampled scenario, not a proof: a rule whose
+#: repeats stay few here passes (always preempting the oldest request: 4-7 times).
+PREEMPTION_BOUND = 8
+
 
 @dataclass(frozen=True)
 class RequestSpec:
@@ -91,6 +101,9 @@ class RequestSpec:
     #: The request is in `requests_not_ready` until this many steps have completed
     #: (None: no grammar to wait for).
     ready_at: int | None = None
+    #: The request must have finished once this many steps have completed (None: only the
+    #: workload's step cap applies); the `victim-starvation` check sets it.
+    finish_by: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -120,7 +133,8 @@ class Workload:
 
     `enforce_wait_bound` turns on the bounded-wait rule (the workload must satisfy the
     regime in the module docstring; `run_workload` checks it). `max_steps` overrides
-    `step_cap()`.
+    `step_cap()`. `max_preemptions_per_request` turns on the starvation rule: no request
+    is preempted more often than that (see `PREEMPTION_BOUND`).
     """
 
     name: str
@@ -128,6 +142,7 @@ class Workload:
     limits: Mapping[str, Any]
     enforce_wait_bound: bool = False
     max_steps: int | None = None
+    max_preemptions_per_request: int | None = None
 
     def last_event(self) -> int:
         return max(

@@ -21,10 +21,13 @@ def chat_prompts(
     add_generation_prompt: bool,
     continue_final_message: bool,
     chat_template_kwargs: dict[str, Any] | None,
+    *,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """One prompt dict per conversation (`messages` is one conversation or a list of
     them); see `LLM.chat` for the arguments. `tokenizer` None (a model without one) is
-    an error."""
+    an error. `tools` (OpenAI-style function tools) reach the template as its `tools`
+    variable, as transformers' `apply_chat_template(tools=...)` gives them."""
     if tokenizer is None:
         raise ValueError("chat: the model has no tokenizer (the scripted model takes token ids)")
     if add_generation_prompt and continue_final_message:
@@ -65,7 +68,7 @@ def chat_prompts(
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            **(chat_template_kwargs or {}),
+            **{"tools": tools, **(chat_template_kwargs or {})},
         )
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         prompts.append({"prompt": text, "prompt_token_ids": ids})

@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -48,6 +48,7 @@ from tandem.server.serving_completions import OpenAIServingCompletion
 from tandem.server.serving_tokenize import detokenize_response, tokenize_response
 from tandem.server.sse import MEDIA_TYPE, framed
 from tandem.server.to_sampling_params import CHAT_RENAMES
+from tandem.server.tool_choice import ToolServing, tool_parser_class
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20
 
@@ -63,6 +64,8 @@ class ServerSettings:
     model_root: str | None = None
     api_key: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    #: Tool calling: the `--tool-call-parser` and its flags (`tandem.server.tool_choice`).
+    tools: ToolServing = field(default_factory=ToolServing)
 
 
 class _Guard:
@@ -128,7 +131,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     app.state.engine = engine
     app.state.settings = settings
     completions = OpenAIServingCompletion(engine)
-    chat = OpenAIServingChat(engine)
+    chat = OpenAIServingChat(engine, settings.tools)
     names = settings.served_model_names
 
     @app.exception_handler(APIError)
@@ -300,6 +303,11 @@ def run_server(args: argparse.Namespace) -> int:
     except BudgetError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        parser_class = tool_parser_class(args.tool_call_parser, args.enable_auto_tool_choice)
+    except ValueError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 2
     print(budget.line(), flush=True)
     overrides = {**_overrides(args), "worker_num_threads": budget.worker_threads}
     names = args.served_model_name or [args.model or "default"]
@@ -319,6 +327,11 @@ def run_server(args: argparse.Namespace) -> int:
             model_root=root,
             api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
             max_request_body_bytes=args.max_request_body_bytes,
+            tools=ToolServing(
+                parser=parser_class(engine.tokenizer) if parser_class is not None else None,
+                enable_auto_tool_choice=args.enable_auto_tool_choice,
+                exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+            ),
         )
         app = build_app(engine, settings)
         config = uvicorn.Config(

@@ -11,13 +11,16 @@ tokenizer, or `detokenize` off) is written `token_id:<id>`, as vLLM's
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
-from tandem.outputs import Logprob, SampleLogprobs
+from tandem.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from tandem.server.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
     CompletionLogProbs,
+    PromptLogprob,
+    PromptLogprobsJSON,
 )
 
 _FLOOR = -9999.0
@@ -44,12 +47,26 @@ def _top(step: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
 
 
 def completion_logprobs(
-    token_ids: list[int], logprobs: SampleLogprobs, num_top: int, text_offset: int
+    token_ids: list[int],
+    logprobs: SampleLogprobs | PromptLogprobs,
+    num_top: int,
+    text_offset: int,
+    decode: Callable[[int], str] | None = None,
 ) -> CompletionLogProbs:
-    """The completions API's logprobs of `token_ids`; offsets start at `text_offset`."""
+    """The completions API's logprobs of `token_ids`; offsets start at `text_offset`. A
+    step that is None (an echoed prompt's first token) has a null logprob and null top
+    logprobs, and its text from `decode` (`token_id:<id>` without one), as in vLLM."""
     out = CompletionLogProbs()
     offset = text_offset
     for token_id, step in zip(token_ids, logprobs, strict=False):
+        if step is None:
+            text = decode(token_id) if decode is not None else token_text(token_id, None)
+            out.tokens.append(text)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(text)
+            continue
         sampled = step.get(token_id)
         text = token_text(token_id, sampled)
         out.tokens.append(text)
@@ -79,3 +96,22 @@ def chat_logprobs(
         top = [_chat_entry(t, lp) for t, lp in _top(step, num_top)]
         content.append(ChatCompletionLogProbsContent(**entry.model_dump(), top_logprobs=top))
     return ChatCompletionLogProbs(content=content)
+
+
+def prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> PromptLogprobsJSON | None:
+    """vLLM's `prompt_logprobs` body: per prompt token {token id: {logprob, rank,
+    decoded_token}} (the prompt token and the top-N), None for the first token; -inf
+    becomes -9999.0."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if step is None
+        else {
+            str(token_id): PromptLogprob(
+                logprob=_value(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
+            )
+            for token_id, lp in step.items()
+        }
+        for step in prompt_logprobs
+    ]

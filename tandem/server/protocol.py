@@ -92,6 +92,8 @@ class SamplingFields(OpenAIBaseModel):
     request_id: str | None = None
     #: vLLM's `return_token_ids`: add `prompt_token_ids` and each choice's `token_ids`.
     return_token_ids: bool | None = None
+    #: vLLM's `prompt_logprobs`: the top-N logprobs of every prompt token (not streamed).
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -105,8 +107,24 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    """A tool's function: its name, description and parameters' JSON schema."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    """One entry of `tools` (only functions exist)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions."""
+    """POST /v1/chat/completions. `tool_choice` is checked by `tandem.server.tool_choice`
+    (`none`, `auto`, `required`, or `{"type": "function", "function": {"name": ...}}`)."""
 
     messages: list[dict[str, Any]]
     max_tokens: int | None = None
@@ -118,6 +136,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -163,6 +183,18 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token's entry in `prompt_logprobs` (vLLM's `Logprob`; -inf is -9999.0)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: vLLM's `prompt_logprobs`: per prompt token {token id: entry}, None for the first token.
+PromptLogprobsJSON = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionResponseChoice(BaseModel):
     index: int
     text: str
@@ -171,6 +203,7 @@ class CompletionResponseChoice(BaseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -238,11 +271,14 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
 
 
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    #: Tool-call pieces (`tandem.server.tool_calls.ToolCallDeltas`), set only when present.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):

@@ -7,7 +7,7 @@ import argparse
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """The model argument, the stack file, and the server's flags: address, API key, served
-    names, limits, data parallelism, worker threads, stream buffering."""
+    names, limits, data parallelism, worker threads, tool calling, stream buffering."""
     parser.add_argument(
         "model",
         nargs="?",
@@ -43,6 +43,23 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--worker-threads",
         type=int,
         help="torch threads per worker (default: (cores - 1) // data-parallel-size)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        help="tool parser reading calls out of the model's text for tool_choice 'auto' "
+        "(bundled: hermes, json; more through the entry-point group tandem.tool_parsers)",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="allow tool_choice 'auto' (the default when a request has tools); needs "
+        "--tool-call-parser",
+    )
+    parser.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help="leave the tools out of the prompt when tool_choice is 'none' (default: the "
+        "template still gets them, as in vLLM)",
     )
     parser.add_argument(
         "--stream-buffer-size",

@@ -18,7 +18,7 @@ from typing import Any
 from tandem.chat_prompts import chat_prompts
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.server.errors import APIError, bad_request
-from tandem.server.logprobs import chat_logprobs
+from tandem.server.logprobs import chat_logprobs, prompt_logprobs_json
 from tandem.server.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -35,6 +35,14 @@ from tandem.server.to_sampling_params import (
     chat_max_tokens_field,
     chat_sampling_params,
     max_tokens_for,
+)
+from tandem.server.tool_calls import ToolCallDeltas, tool_message
+from tandem.server.tool_choice import (
+    ToolPlan,
+    ToolServing,
+    plan_tools,
+    template_messages,
+    warn_if_template_ignores_tools,
 )
 
 
@@ -57,8 +65,14 @@ def _flatten(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return flat
 
 
-def render_chat(engine: Any, messages: list[dict[str, Any]], req: Any) -> Prompt:
-    """The conversation as one prompt through the chat template; 400 naming the field."""
+def render_chat(
+    engine: Any,
+    messages: list[dict[str, Any]],
+    req: Any,
+    tools: list[dict[str, Any]] | None = None,
+) -> Prompt:
+    """The conversation as one prompt through the chat template (`tools`, when given, as
+    the template's `tools` variable); 400 naming the field."""
     if engine.tokenizer is None:
         raise bad_request(
             "messages: chat needs a tokenizer with a chat template; this model has none "
@@ -68,13 +82,16 @@ def render_chat(engine: Any, messages: list[dict[str, Any]], req: Any) -> Prompt
     if not messages:
         raise bad_request("messages: expected at least one message", param="messages")
     try:
+        if tools:
+            warn_if_template_ignores_tools(req.chat_template or engine.tokenizer.chat_template)
         rendered = chat_prompts(
             engine.tokenizer,
-            _flatten(messages),
+            _flatten(template_messages(messages)),
             req.chat_template,
             req.add_generation_prompt,
             req.continue_final_message,
             req.chat_template_kwargs,
+            tools=tools,
         )[0]
     except APIError:
         raise
@@ -88,13 +105,15 @@ def render_chat(engine: Any, messages: list[dict[str, Any]], req: Any) -> Prompt
 class OpenAIServingChat:
     """Answers chat completions requests on one `AsyncLLM`."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, tools: ToolServing | None = None) -> None:
         self.engine = engine
+        self.tools = tools or ToolServing()
 
     async def create(self, req: ChatCompletionRequest, model_name: str) -> dict[str, Any] | Any:
         """The response body (a dict), or an async iterator of JSON chunks when streaming.
         Raises `APIError` (or an engine error) before any output when refused."""
-        prompt = render_chat(self.engine, req.messages, req)
+        plan = plan_tools(req, self.tools)
+        prompt = render_chat(self.engine, req.messages, req, plan.template_tools)
         defaults = self.engine.get_default_sampling_params()
         max_len = self.engine.max_model_len
         asked, field = chat_max_tokens_field(req)
@@ -108,7 +127,7 @@ class OpenAIServingChat:
         merger = OutputMerger([gen])
         await merger.start()
         if req.stream:
-            return _ChatStream(req, model_name, request_id, merger).chunks()
+            return _ChatStream(req, model_name, request_id, merger, plan).chunks()
         final: RequestOutput | None = None
         try:
             async for _, out in merger:
@@ -116,15 +135,16 @@ class OpenAIServingChat:
         finally:
             merger.close()
         assert final is not None
-        return _response(req, model_name, request_id, final).model_dump(exclude_none=False)
+        return _response(req, model_name, request_id, final, plan).model_dump(exclude_none=False)
 
 
-def _check_failed(out: RequestOutput) -> None:
+def _check_failed(out: RequestOutput, plan: ToolPlan) -> None:
     if out.error is None and all(c.finish_reason != "error" for c in out.outputs):
         return
     message = out.error or "the request failed in the engine"
     grammar = any(word in message for word in ("grammar", "schema", "structured"))
-    raise APIError(400 if grammar else 500, message, param="response_format" if grammar else None)
+    field = "tools" if plan.constrained else "response_format"
+    raise APIError(400 if grammar else 500, message, param=field if grammar else None)
 
 
 def _logprobs(req: ChatCompletionRequest, c: CompletionOutput) -> ChatCompletionLogProbs | None:
@@ -134,20 +154,26 @@ def _logprobs(req: ChatCompletionRequest, c: CompletionOutput) -> ChatCompletion
 
 
 def _response(
-    req: ChatCompletionRequest, model_name: str, request_id: str, out: RequestOutput
+    req: ChatCompletionRequest,
+    model_name: str,
+    request_id: str,
+    out: RequestOutput,
+    plan: ToolPlan,
 ) -> ChatCompletionResponse:
-    _check_failed(out)
-    choices = [
-        ChatCompletionResponseChoice(
-            index=c.index,
-            message=ChatMessage(role="assistant", content=c.text),
-            logprobs=_logprobs(req, c),
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
-            token_ids=c.token_ids if req.return_token_ids else None,
+    _check_failed(out, plan)
+    choices = []
+    for c in out.outputs:
+        content, tool_calls, finish_reason = tool_message(plan, c.text, c.finish_reason)
+        choices.append(
+            ChatCompletionResponseChoice(
+                index=c.index,
+                message=ChatMessage(role="assistant", content=content, tool_calls=tool_calls),
+                logprobs=_logprobs(req, c),
+                finish_reason=finish_reason,
+                stop_reason=c.stop_reason,
+                token_ids=c.token_ids if req.return_token_ids else None,
+            )
         )
-        for c in out.outputs
-    ]
     num_output = sum(len(c.token_ids) for c in out.outputs)
     return ChatCompletionResponse(
         id=request_id,
@@ -155,6 +181,7 @@ def _response(
         choices=choices,
         usage=usage(len(out.prompt_token_ids), num_output),
         prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None,
+        prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
     )
 
 
@@ -162,7 +189,12 @@ class _ChatStream:
     """One streaming chat response: role chunks, content chunks, the usage chunk."""
 
     def __init__(
-        self, req: ChatCompletionRequest, model_name: str, request_id: str, merger: OutputMerger
+        self,
+        req: ChatCompletionRequest,
+        model_name: str,
+        request_id: str,
+        merger: OutputMerger,
+        plan: ToolPlan,
     ) -> None:
         self.req, self.model_name, self.request_id, self.merger = (
             req,
@@ -170,6 +202,7 @@ class _ChatStream:
             request_id,
             merger,
         )
+        self.tool_deltas = {j: ToolCallDeltas(plan) for j in range(req.n)}
         self.created = int(time.time())
         self.num_tokens = 0
         self.num_prompt = 0
@@ -204,18 +237,33 @@ class _ChatStream:
                     if c.finish_reason == "error":
                         raise APIError(500, out.error or "the request failed in the engine")
                     self.num_tokens += len(c.token_ids)
-                    yield self._dump([self._choice(c)])
+                    choice = self._choice(c)
+                    if choice is not None:
+                        yield self._dump([choice])
             if self.include_usage:
                 yield self._dump([], usage=usage(self.num_prompt, self.num_tokens))
         finally:
             self.merger.close()
 
-    def _choice(self, c: CompletionOutput) -> ChatCompletionResponseStreamChoice:
+    def _choice(self, c: CompletionOutput) -> ChatCompletionResponseStreamChoice | None:
+        """The chunk's choice for output `c`; None when it has nothing to send (text a
+        tool parser holds back, with no finish, logprobs or token ids)."""
+        delta = DeltaMessage(content=c.text)
+        finish_reason = c.finish_reason
+        tools = self.tool_deltas[c.index]
+        if tools.active:
+            content, calls = tools.delta(c.text, c.finish_reason is not None)
+            fields: dict[str, Any] = {"content": content} if content else {}
+            delta = DeltaMessage(**fields, **({"tool_calls": calls} if calls else {}))
+            finish_reason = tools.finish_reason(c.finish_reason)
+            quiet = not (fields or calls or finish_reason or self.req.return_token_ids)
+            if quiet and not (self.req.logprobs and c.logprobs):
+                return None
         choice = ChatCompletionResponseStreamChoice(
             index=c.index,
-            delta=DeltaMessage(content=c.text),
+            delta=delta,
             logprobs=_logprobs(self.req, c),
-            finish_reason=c.finish_reason,
+            finish_reason=finish_reason,
         )
         if c.finish_reason is not None:
             choice.stop_reason = c.stop_reason

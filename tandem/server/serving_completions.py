@@ -18,7 +18,7 @@ from typing import Any
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.server.errors import APIError
-from tandem.server.logprobs import completion_logprobs
+from tandem.server.logprobs import completion_logprobs, prompt_logprobs_json
 from tandem.server.protocol import (
     CompletionRequest,
     CompletionResponse,
@@ -89,19 +89,58 @@ class OpenAIServingCompletion:
         merger = OutputMerger(gens)
         await merger.start()
         want_ids = bool(req.return_token_ids) or self.engine.tokenizer is None
+        tokenizer = self.engine.tokenizer
         if req.stream:
-            return _Stream(req, model_name, request_id, prompts, merger, want_ids).chunks()
+            return _Stream(
+                req, model_name, request_id, prompts, merger, want_ids, tokenizer
+            ).chunks()
         try:
             finals: dict[int, RequestOutput] = {}
             async for i, out in merger:
                 finals[i] = out
         finally:
             merger.close()
-        return _response(req, model_name, request_id, prompts, finals, want_ids).model_dump()
+        response = _response(req, model_name, request_id, prompts, finals, want_ids, tokenizer)
+        return response.model_dump()
 
 
-def _echo(req: CompletionRequest, prompt: Prompt) -> str:
-    return (prompt.text or "") if req.echo else ""
+def _echo(req: CompletionRequest, prompt: Prompt, out: RequestOutput, tokenizer: Any) -> str:
+    """The prompt text `echo` puts before the output: the prompt as given, or a token-id
+    prompt detokenised ("" without a tokenizer)."""
+    if not req.echo:
+        return ""
+    if prompt.text is not None:
+        return prompt.text
+    return tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else ""
+
+
+def _decoder(tokenizer: Any) -> Any:
+    return (lambda token_id: tokenizer.decode([token_id])) if tokenizer is not None else None
+
+
+def _logprobs(
+    req: CompletionRequest,
+    out: RequestOutput,
+    c: CompletionOutput,
+    offset: int,
+    echoed: bool,
+    tokenizer: Any,
+) -> Any:
+    """The choice's logprobs from text offset `offset`; `echoed`: this piece starts with
+    the echoed prompt, whose tokens come first (the first one with a null logprob)."""
+    if req.logprobs is None or c.logprobs is None:
+        return None
+    if not echoed:
+        return completion_logprobs(c.token_ids, c.logprobs, req.logprobs, offset)
+    prompt_ids = out.prompt_token_ids
+    steps = list(out.prompt_logprobs or [None] * len(prompt_ids))
+    return completion_logprobs(
+        [*prompt_ids, *c.token_ids],
+        [*steps, *c.logprobs],
+        req.logprobs,
+        offset,
+        _decoder(tokenizer),
+    )
 
 
 def _failed(out: RequestOutput) -> None:
@@ -123,36 +162,32 @@ def _response(
     prompts: list[Prompt],
     finals: dict[int, RequestOutput],
     want_ids: bool,
+    tokenizer: Any,
 ) -> CompletionResponse:
     choices: list[CompletionResponseChoice] = []
     completion_tokens = 0
     for i, prompt in enumerate(prompts):
         out = finals[i]
         _failed(out)
+        echo = _echo(req, prompt, out, tokenizer)
         for c in out.outputs:
-            echo = _echo(req, prompt)
             completion_tokens += len(c.token_ids)
             choices.append(
                 CompletionResponseChoice(
                     index=i * req.n + c.index,
                     text=echo + c.text,
-                    logprobs=_logprobs(req, c, len(echo)),
+                    logprobs=_logprobs(req, out, c, 0, req.echo, tokenizer),
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                     token_ids=c.token_ids if want_ids else None,
                     prompt_token_ids=out.prompt_token_ids if want_ids else None,
+                    prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
                 )
             )
     num_prompt = sum(len(finals[i].prompt_token_ids) for i in range(len(prompts)))
     return CompletionResponse(
         id=request_id, model=model_name, choices=choices, usage=usage(num_prompt, completion_tokens)
     )
-
-
-def _logprobs(req: CompletionRequest, c: CompletionOutput, offset: int) -> Any:
-    if req.logprobs is None or c.logprobs is None:
-        return None
-    return completion_logprobs(c.token_ids, c.logprobs, req.logprobs, offset)
 
 
 class _Stream:
@@ -166,8 +201,10 @@ class _Stream:
         prompts: list[Prompt],
         merger: OutputMerger,
         want_ids: bool,
+        tokenizer: Any,
     ) -> None:
         self.req, self.model_name, self.request_id = req, model_name, request_id
+        self.tokenizer = tokenizer
         self.prompts, self.merger = prompts, merger
         self.created = int(time.time())
         self.offsets: dict[int, int] = {}
@@ -194,12 +231,12 @@ class _Stream:
     def _chunk(self, i: int, out: RequestOutput, c: CompletionOutput) -> CompletionStreamResponse:
         index = i * self.req.n + c.index
         first = index not in self.offsets
-        text = (_echo(self.req, self.prompts[i]) if first else "") + c.text
+        echoed = first and self.req.echo
+        echo = _echo(self.req, self.prompts[i], out, self.tokenizer) if echoed else ""
+        text = echo + c.text
         offset = self.offsets.get(index, 0)
-        logprobs = None
-        if self.req.logprobs is not None and c.logprobs is not None:
-            start = offset + (len(text) - len(c.text))
-            logprobs = completion_logprobs(c.token_ids, c.logprobs, self.req.logprobs, start)
+        start = offset if echoed else offset + len(echo)
+        logprobs = _logprobs(self.req, out, c, start, echoed, self.tokenizer)
         self.offsets[index] = offset + len(text)
         self.num_tokens[index] = self.num_tokens.get(index, 0) + len(c.token_ids)
         choice = CompletionResponseStreamChoice(

@@ -5,8 +5,11 @@ from `generation_config.json` as vLLM does), then `SamplingParams`' own. `max_to
 the request's (chat: `max_completion_tokens`, else the deprecated `max_tokens`), else what
 the context leaves (`max_model_len - prompt tokens`), capped by the model's default when
 it sets one. The output constraint comes from `response_format` (`json_schema`,
-`json_object`), vLLM's `structured_outputs` body, or its older `guided_*` fields; more
-than one is a 400. Errors are `APIError`s naming the request's field.
+`json_object`), vLLM's `structured_outputs` body, its older `guided_*` fields, or a chat
+request's `tool_choice` (`required` or a named function: `tool_choice.tool_call_schema`);
+more than one is a 400. `prompt_logprobs` (not with streaming, as in vLLM) is the
+request's, or with completions' `echo` and `logprobs` the `logprobs` count. Errors are
+`APIError`s naming the request's field.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pydantic import ValidationError
 from tandem.sampling_params import RequestOutputKind, SamplingParams
 from tandem.server.errors import bad_request, from_validation_error, from_value_error
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tandem.server.tool_choice import tool_call_schema
 from tandem.structured_outputs import StructuredOutputsParams
 
 #: Fields unset in the request that take the model's default when it has one.
@@ -54,6 +58,9 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
     for kind, value in guided.items():
         if value is not None:
             given.append((f"guided_{kind}", {kind: value}))
+    tool_schema = tool_call_schema(req) if isinstance(req, ChatCompletionRequest) else None
+    if tool_schema is not None:  # `tool_choice` required or named (tandem.server.tool_choice)
+        given.insert(0, ("tool_choice", {"json": tool_schema}))
     if not given:
         return None
     if len(given) > 1:
@@ -72,6 +79,11 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
 def _common(req: SamplingFields, defaults: SamplingParams) -> dict[str, Any]:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options: only with stream=true", param="stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request(
+            "prompt_logprobs: not available with stream=true (as in vLLM)",
+            param="prompt_logprobs",
+        )
     fields: dict[str, Any] = {}
     for name in _DEFAULTED:
         value = getattr(req, name)
@@ -143,7 +155,10 @@ def completion_sampling_params(
     if req.suffix is not None:
         raise bad_request("suffix: not supported", param="suffix")
     fields = _common(req, defaults)
-    fields.update(max_tokens=max_tokens, logprobs=req.logprobs)
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo and req.logprobs is not None:
+        prompt_logprobs = req.logprobs  # echoed prompt tokens carry logprobs too (vLLM)
+    fields.update(max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
     return _build(fields, None)
 
 
@@ -156,7 +171,7 @@ def chat_sampling_params(
         raise bad_request("top_logprobs: needs logprobs=true", param="top_logprobs")
     fields = _common(req, defaults)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    fields.update(max_tokens=max_tokens, logprobs=logprobs)
+    fields.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs)
     return _build(fields, {**CHAT_RENAMES, "max_tokens": max_tokens_param})
 
 

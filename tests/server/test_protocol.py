@@ -325,12 +325,17 @@ def test_chat_engine_death_midstream_is_an_error_event_and_500_otherwise() -> No
 
 
 def test_completion_text_prompt_and_echo() -> None:
+    """With echo and logprobs the prompt's tokens come first (as vLLM); the fake engine
+    computes no prompt logprobs, so theirs are null."""
     with _client(FakeEngine()) as c:
         body = {"prompt": "Say: ", "echo": True, "logprobs": 1}
         out = c.post("/v1/completions", json=body).json()
     choice = out["choices"][0]
     assert choice["text"] == "Say: Hello!" and "token_ids" not in choice or not choice["token_ids"]
-    assert choice["logprobs"]["text_offset"] == [5, 8, 10]
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == ["\x01", "S", "a", "y", ":", " ", "Hel", "lo", "!"]
+    assert logprobs["token_logprobs"][:6] == [None] * 6 and logprobs["top_logprobs"][0] is None
+    assert logprobs["text_offset"] == [0, 1, 2, 3, 4, 5, 6, 9, 11]
 
 
 def test_tokenize_and_detokenize() -> None:

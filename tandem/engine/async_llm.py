@@ -27,6 +27,15 @@ Contracts:
 - With `data_parallel_size = N` there are N engine cores, each with its own worker and KV
   pool; a request goes to the engine with the least load: its requests in flight here
   plus three times the WAITING requests it last reported (`engine_stats`).
+- Liveness: every engine core sends a heartbeat while it has nothing else to say;
+  `is_healthy()` is False once an engine is dead, restarting, silent for
+  `heartbeat_timeout_s` (frozen, e.g. SIGSTOP) or busy without finishing a step for
+  `stall_timeout_s`.
+- Restarts: with `max_engine_restarts = R > 0`, an engine-core death ends the requests in
+  flight with `EngineDeadError` (their KV, prefix cache and any plugin state die with the
+  process) and the engine cores are started again with the same configuration; requests
+  that arrive meanwhile wait for the new engine. After R restarts the next death is final
+  (`wait_dead` returns). `restarts` counts them.
 - Thread affinity: call every method from one event loop's thread (the one running the
   generators); `shutdown` from anywhere.
 """
@@ -37,6 +46,8 @@ import asyncio
 import atexit
 import itertools
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +60,13 @@ from tandem.core.plugin_manager import stack_of
 from tandem.core.worker.model_loader import model_loader_for
 from tandem.engine.core_client import EngineCoreClient
 from tandem.engine.errors import EngineDeadError, QueueFullError
-from tandem.engine.messages import AbortRequests, AddRequest, EngineCoreDead, EngineCoreOutputs
+from tandem.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineCoreDead,
+    EngineCoreHeartbeat,
+    EngineCoreOutputs,
+)
 from tandem.engine.request_stream import RequestStream
 from tandem.engine.stats import IterationStats, RequestTimings, StatLogger
 from tandem.generation_defaults import load_generation_defaults
@@ -62,6 +79,38 @@ from tandem.sampling_params import RequestOutputKind, SamplingParams
 from tandem.stack_file import load_config
 
 logger = logging.getLogger("tandem.engine")
+
+#: An engine core not heard from for this long is not live (seconds).
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+#: An engine core busy without finishing a step for this long is stuck (seconds).
+DEFAULT_STALL_TIMEOUT_S = 300.0
+
+
+@dataclass(slots=True)
+class _Liveness:
+    """What the reader thread last heard from one engine core (monotonic seconds)."""
+
+    heard_at: float
+    steps: int = 0
+    steps_moved_at: float = 0.0
+    busy: bool = False
+
+    def hear(self, message: Any, now: float) -> None:
+        self.heard_at = now
+        if isinstance(message, EngineCoreHeartbeat):
+            if message.num_steps != self.steps or not message.has_work:
+                self.steps, self.steps_moved_at = message.num_steps, now
+            self.busy = message.has_work
+        else:  # outputs: a step finished
+            self.steps_moved_at = now
+
+    def problem(self, now: float, heartbeat_timeout_s: float, stall_timeout_s: float) -> str:
+        """Why this engine is not live, or "" when it is."""
+        if now - self.heard_at > heartbeat_timeout_s:
+            return f"no heartbeat for {now - self.heard_at:.1f} s"
+        if self.busy and now - self.steps_moved_at > stall_timeout_s:
+            return f"no step finished for {now - self.steps_moved_at:.1f} s"
+        return ""
 
 
 @dataclass(slots=True, eq=False)
@@ -90,6 +139,9 @@ class AsyncLLM:
         max_num_waiting: int | None = None,
         stream_buffer_size: int = 1024,
         stat_loggers: Sequence[StatLogger] = (),
+        max_engine_restarts: int = 0,
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         **overrides: Any,
     ) -> None:
         if data_parallel_size < 1:
@@ -98,6 +150,14 @@ class AsyncLLM:
             raise ValueError(f"max_num_waiting: expected >= 0, got {max_num_waiting}")
         if stream_buffer_size < 1:
             raise ValueError(f"stream_buffer_size: expected >= 1, got {stream_buffer_size}")
+        if max_engine_restarts < 0:
+            raise ValueError(f"max_engine_restarts: expected >= 0, got {max_engine_restarts}")
+        for name, value in (
+            ("heartbeat_timeout_s", heartbeat_timeout_s),
+            ("stall_timeout_s", stall_timeout_s),
+        ):
+            if not value > 0:
+                raise ValueError(f"{name}: expected > 0, got {value}")
         user_config = load_config(config, model=model, **overrides)
         executor_cls = executor_class(user_config.parallel.executor)
         supports_async = executor_cls.supports_async_scheduling if executor_cls else False
@@ -127,10 +187,31 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead_waiters: list[asyncio.Future] = []
         self.dead_error: str | None = None
-        self.client = EngineCoreClient(
-            self.config, data_parallel_size, self._from_reader, self._death_from_reader
-        )
+        self.max_engine_restarts = max_engine_restarts
+        self.restarts = 0
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self._restarting = False
+        self._restart_waiters: list[asyncio.Future] = []
+        self._closing = False
+        self._generation = 0
+        self._liveness: list[_Liveness] = []
+        self.client = self._start_client(self._generation)
         atexit.register(self.shutdown)
+
+    def _start_client(self, generation: int) -> EngineCoreClient:
+        """Start the engine cores (blocks until they are ready). Their messages carry
+        `generation`, so those of engines replaced by a restart are ignored."""
+        now = time.monotonic()
+        self._liveness = [
+            _Liveness(now, steps_moved_at=now) for _ in range(self.data_parallel_size)
+        ]
+        return EngineCoreClient(
+            self.config,
+            self.data_parallel_size,
+            lambda message: self._from_reader(message, generation),
+            lambda index, reason: self._death_from_reader(index, reason, generation),
+        )
 
     # Accessors ----------------------------------------------------------------------------
     def get_default_sampling_params(self) -> SamplingParams:
@@ -139,7 +220,21 @@ class AsyncLLM:
         return SamplingParams(**self._generation_defaults)
 
     def is_healthy(self) -> bool:
-        return self.dead_error is None
+        """True while every engine core is alive and progressing (see the module docstring)."""
+        return not self.health_problem()
+
+    def health_problem(self) -> str:
+        """Why the engine is not healthy, or "" when it is."""
+        if self.dead_error is not None:
+            return f"the engine died: {self.dead_error}"
+        if self._restarting:
+            return "the engine core is restarting"
+        now = time.monotonic()
+        for index, liveness in enumerate(self._liveness):
+            problem = liveness.problem(now, self.heartbeat_timeout_s, self.stall_timeout_s)
+            if problem:
+                return f"engine core {index}: {problem}"
+        return ""
 
     def engine_stats(self) -> list[dict[str, Any]]:
         """The latest `engine_stats` of each engine that reported."""
@@ -193,7 +288,11 @@ class AsyncLLM:
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; see the module docstring for the contracts."""
-        self._bind_loop()
+        loop = self._bind_loop()
+        if self._restarting:  # wait for the new engine cores
+            waiter = loop.create_future()
+            self._restart_waiters.append(waiter)
+            await waiter
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         if not isinstance(request_id, str):
@@ -252,7 +351,7 @@ class AsyncLLM:
         live = [cid for cid in parent.child_ids if cid in self._child_parent]
         if not live:
             return
-        if self.dead_error is None:
+        if self.dead_error is None and not self._restarting:
             self.client.send(parent.engine_index, AbortRequests(live))
         stats = IterationStats(engine_index=parent.engine_index)
         for cid in live:
@@ -276,7 +375,14 @@ class AsyncLLM:
         parent.stream.closed = True
 
     # Engine messages (on the event loop) --------------------------------------------------
-    def _from_reader(self, message: Any) -> None:
+    def _from_reader(self, message: Any, generation: int) -> None:
+        if generation != self._generation:
+            return
+        index = getattr(message, "engine_index", 0)
+        if index < len(self._liveness):
+            self._liveness[index].hear(message, time.monotonic())
+        if isinstance(message, EngineCoreHeartbeat):
+            return
         loop = self._loop
         if isinstance(message, EngineCoreOutputs) and not message.outputs:
             self._engine_stats[message.engine_index] = message.stats  # an idle engine's stats
@@ -286,18 +392,21 @@ class AsyncLLM:
             return
         loop.call_soon_threadsafe(self._handle_message, message)
 
-    def _death_from_reader(self, engine_index: int, reason: str) -> None:
+    def _death_from_reader(self, engine_index: int, reason: str, generation: int) -> None:
+        if generation != self._generation:
+            return
         loop = self._loop
         if loop is None or loop.is_closed():
             self.dead_error = self.dead_error or reason
             return
-        loop.call_soon_threadsafe(self._die, reason)
+        loop.call_soon_threadsafe(self._die, reason, generation)
 
     def _handle_message(self, message: Any) -> None:
         if isinstance(message, EngineCoreOutputs):
             self._handle_outputs(message)
         elif isinstance(message, EngineCoreDead):
-            self._die(f"engine core {message.engine_index} died: {message.error}")
+            reason = f"engine core {message.engine_index} died: {message.error}"
+            self._die(reason, self._generation)
 
     def _handle_outputs(self, message: EngineCoreOutputs) -> None:
         index = message.engine_index
@@ -376,22 +485,77 @@ class AsyncLLM:
             except Exception:  # metrics must never take the engine down
                 logger.exception("stat logger %r failed", stat_logger)
 
-    def _die(self, reason: str) -> None:
-        if self.dead_error is not None:
+    def _die(self, reason: str, generation: int) -> None:
+        if self.dead_error is not None or self._restarting or generation != self._generation:
+            return
+        self._fail_in_flight(EngineDeadError(reason))
+        if self.restarts < self.max_engine_restarts and not self._closing:
+            self._restart(reason)
             return
         self.dead_error = reason
         logger.error("the engine died: %s", reason)
-        error = EngineDeadError(reason)
-        for parents in list(self._parents.values()):
-            for parent in parents:
-                parent.stream.fail(error)
         for waiter in self._dead_waiters:
             if not waiter.done():
                 waiter.set_result(reason)
         self._dead_waiters.clear()
 
+    def _fail_in_flight(self, error: EngineDeadError) -> None:
+        """End every sequence in flight (counted as errors) and raise `error` into every
+        stream, after the outputs it already holds."""
+        stats = IterationStats()
+        for child_id in list(self._child_parent):
+            self._end_child(child_id, "error", stats)
+        self._record(0, None, stats)
+        for parents in list(self._parents.values()):
+            for parent in parents:
+                parent.stream.fail(error)
+
+    def _restart(self, reason: str) -> None:
+        """Start new engine cores on a thread (the loop goes on); requests wait for them."""
+        self._restarting = True
+        self.restarts += 1
+        logger.error(
+            "the engine core died (%s); restarting it (%d of at most %d restarts)",
+            reason,
+            self.restarts,
+            self.max_engine_restarts,
+        )
+        loop, old, generation = self._bind_loop(), self.client, self._generation + 1
+
+        def start() -> None:
+            old.shutdown(timeout_s=5.0)
+            try:
+                client = self._start_client(generation)
+            except Exception as exc:  # the restart itself failed: the death is final
+                message = f"{reason}; the restart failed: {exc}"
+                loop.call_soon_threadsafe(self._restart_done, None, generation, message)
+                return
+            loop.call_soon_threadsafe(self._restart_done, client, generation, reason)
+
+        threading.Thread(target=start, name="tandem-engine-restart", daemon=True).start()
+
+    def _restart_done(self, client: EngineCoreClient | None, generation: int, reason: str) -> None:
+        self._restarting = False
+        if client is None or self._closing:
+            if client is not None:
+                client.shutdown()
+            self.dead_error = None
+            self.max_engine_restarts = self.restarts  # no further attempt
+            self._die(reason, self._generation)
+        else:
+            self.client, self._generation = client, generation
+            self._in_flight = [0] * self.data_parallel_size
+            self._engine_stats = [None] * self.data_parallel_size
+            self._record(0, {"engine_core_restarts": self.restarts}, IterationStats())
+            logger.warning("the engine core is running again (restart %d)", self.restarts)
+        for waiter in self._restart_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._restart_waiters.clear()
+
     def shutdown(self) -> None:
         """Stop the engine-core processes. Idempotent."""
+        self._closing = True
         self.client.shutdown()
 
 

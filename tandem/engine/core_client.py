@@ -115,9 +115,9 @@ class EngineCoreClient:
         while not self._closing.is_set():
             try:
                 if self.output.poll(int(DEATH_POLL_S * 1000)):
-                    self._on_message(self._decoder.decode(self.output.recv()))
+                    self._deliver(self.output.recv())
                     while self.output.poll(0):  # drain what is there before the death check
-                        self._on_message(self._decoder.decode(self.output.recv()))
+                        self._deliver(self.output.recv())
             except zmq.ZMQError:
                 if self._closing.is_set():
                     return
@@ -128,6 +128,14 @@ class EngineCoreClient:
                     return
                 code = self.processes[index].exitcode
                 self._on_death(index, f"engine core {index} exited unexpectedly (exit code {code})")
+
+    def _deliver(self, data: bytes) -> None:
+        """Decode one message and hand it to `on_message`; a failure there is logged, never
+        allowed to end the reader (every stream would then hang)."""
+        try:
+            self._on_message(self._decoder.decode(data))
+        except Exception:
+            logger.exception("handling a message from an engine core failed")
 
     def send(self, engine_index: int, message: Any) -> None:
         self.inputs[engine_index].send(encode(message), copy=False)

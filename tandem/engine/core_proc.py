@@ -9,6 +9,10 @@ socket. With no work the loop blocks on the input queue, so an idle engine uses 
 Encoding and socket I/O happen off the loop thread (pyzmq releases the GIL while it
 sends).
 
+Liveness: the output thread sends an `EngineCoreHeartbeat` whenever it has sent nothing for
+`HEARTBEAT_INTERVAL_S`, with the busy loop's step count, so the front end can tell a live
+engine from a frozen or stuck one.
+
 Lifecycle: `EngineCoreReady` once the engine is built; `EngineCoreDead` (then exit code 1)
 when a step fails or the worker dies; a `Shutdown` message, or the parent process
 disappearing, ends the process (exit code 0).
@@ -23,6 +27,7 @@ import queue
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from tandem.config import EngineConfig
@@ -32,6 +37,7 @@ from tandem.engine.messages import (
     AbortRequests,
     AddRequest,
     EngineCoreDead,
+    EngineCoreHeartbeat,
     EngineCoreOutputs,
     EngineCoreReady,
     ToEngineCore,
@@ -41,6 +47,8 @@ logger = logging.getLogger("tandem.engine_core")
 
 #: How often the input thread checks that the parent process is alive (seconds).
 PARENT_POLL_S = 0.5
+#: The longest the output thread stays silent: then it sends a heartbeat (seconds).
+HEARTBEAT_INTERVAL_S = 0.5
 
 
 def _input_thread(ctx: Any, address: str, inbox: queue.Queue, parent_pid: int) -> None:
@@ -64,13 +72,23 @@ def _input_thread(ctx: Any, address: str, inbox: queue.Queue, parent_pid: int) -
         return
 
 
-def _output_thread(ctx: Any, address: str, outbox: queue.Queue) -> None:
+def _output_thread(
+    ctx: Any, address: str, outbox: queue.Queue, heartbeat: Callable[[], Any | None]
+) -> None:
+    """Send what the busy loop puts in `outbox` until it puts None; after each silent
+    `HEARTBEAT_INTERVAL_S`, send `heartbeat()` (nothing while it returns None)."""
     import zmq
 
     socket = ctx.socket(zmq.PUSH)
     socket.connect(address)
     while True:
-        message = outbox.get()
+        try:
+            message = outbox.get(timeout=HEARTBEAT_INTERVAL_S)
+        except queue.Empty:
+            beat = heartbeat()
+            if beat is not None:
+                socket.send(encode(beat), copy=False)
+            continue
         if message is None:
             break
         socket.send(encode(message), copy=False)
@@ -88,6 +106,12 @@ class EngineCoreProc:
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self._idle_reported = True
+        #: Written by the busy loop only; the output thread's heartbeat reads them.
+        self.num_steps = 0
+        self.busy = False
+
+    def heartbeat(self) -> EngineCoreHeartbeat:
+        return EngineCoreHeartbeat(self.engine_index, self.num_steps, self.busy)
 
     def _handle(self, message: Any) -> bool:
         """Apply one input message; False for `Shutdown`."""
@@ -115,6 +139,7 @@ class EngineCoreProc:
         """The busy loop; returns the process's exit code."""
         while True:
             if not self.engine.has_work():
+                self.busy = False
                 if not self._idle_reported:  # metrics see the idle state (KV freed)
                     self._send([])
                     self._idle_reported = True
@@ -123,7 +148,9 @@ class EngineCoreProc:
             while not self.inbox.empty():
                 if not self._handle(self.inbox.get_nowait()):
                     return 0
+            self.busy = True
             outputs, _ = self.engine.run_step()
+            self.num_steps += 1
             if self.engine.dead_error is not None:  # every request fails with the engine
                 self.outbox.put(EngineCoreDead(self.engine_index, self.engine.dead_error))
                 return 1
@@ -144,8 +171,11 @@ def run_engine_core(
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     outbox: queue.Queue = queue.Queue()
+    built: list[EngineCoreProc] = []  # the heartbeat starts once the engine is built
     writer = threading.Thread(
-        target=_output_thread, args=(ctx, output_address, outbox), name="tandem-core-out"
+        target=_output_thread,
+        args=(ctx, output_address, outbox, lambda: built[0].heartbeat() if built else None),
+        name="tandem-core-out",
     )
     writer.start()
     code = 1
@@ -165,6 +195,7 @@ def run_engine_core(
         )
         reader.start()
         outbox.put(EngineCoreReady(engine_index, proc.engine.config.cache.num_kv_blocks or 0))
+        built.append(proc)
         code = proc.run()
         proc.engine.shutdown()
     except Exception as exc:  # the loop itself failed: report, then exit non-zero

@@ -1,7 +1,8 @@
 """Typed messages between the front end (`AsyncLLM`) and its engine-core processes.
 
 In: `AddRequest`, `AbortRequests`, `Shutdown`; out: `EngineCoreReady` (the engine is built
-and reads its socket), `EngineCoreOutputs` (one step's news), `EngineCoreDead`. Same base,
+and reads its socket), `EngineCoreOutputs` (one step's news), `EngineCoreHeartbeat` (alive,
+while there is no news), `EngineCoreDead`. Same base,
 codec and round-trip guarantee as the engine <-> worker channel (`tandem.core.messages`).
 """
 
@@ -53,6 +54,17 @@ class EngineCoreReady(Message):
     num_kv_blocks: int
 
 
+class EngineCoreHeartbeat(Message):
+    """Sent by the engine core's output thread whenever it has sent nothing for
+    `HEARTBEAT_INTERVAL_S`: the process is alive. `num_steps` is the busy loop's step
+    count and `has_work` whether it had requests, so a loop that stopped stepping with work
+    to do can be told from an idle one."""
+
+    engine_index: int
+    num_steps: int
+    has_work: bool
+
+
 class EngineCoreDead(Message):
     """The engine stopped (a failed step, its worker died); the process exits after it."""
 
@@ -61,4 +73,4 @@ class EngineCoreDead(Message):
 
 
 ToEngineCore = AddRequest | AbortRequests | Shutdown
-FromEngineCore = EngineCoreOutputs | EngineCoreReady | EngineCoreDead
+FromEngineCore = EngineCoreOutputs | EngineCoreReady | EngineCoreDead | EngineCoreHeartbeat

@@ -75,6 +75,11 @@ ENGINE_COUNTERS = {
         "spec_decode_num_accepted_tokens",
         "Number of accepted tokens.",
     ),
+    # recorded by the front end (AsyncLLM), which restarts a dead engine core
+    "engine_core_restarts": (
+        "engine_core_restarts",
+        "Engine-core processes restarted after they died.",
+    ),
 }
 PER_POS_KEY = "spec_decode_num_accepted_tokens_per_pos"
 #: Finish reasons every engine's request_success counter shows from the start.

@@ -23,7 +23,7 @@ from tandem.testing.conformance import (
 )
 
 #: Checks of `CHECKS` that do not apply to a diffusion scheduler.
-NA_CHECKS = {"bounded-wait"}
+NA_CHECKS = {"bounded-wait", "victim-starvation"}
 #: Rules inside the checks that do not apply (replaced or dropped for diffusion).
 NA_RULES = {"seeded-parity", "min-tokens"}
 

@@ -138,6 +138,8 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    #: False: at most one call (`required`: an array of one; `auto`: the first call).
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(OpenAIBaseModel):

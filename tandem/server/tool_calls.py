@@ -17,7 +17,8 @@ How each `ToolPlan.mode` reads the text:
 - `auto`: the server's parser.
 `finish_reason` is vLLM's: `tool_calls` when `auto` found calls, or when `required` ended
 with `stop`; a named choice keeps the engine's reason (`stop`, as OpenAI answers a forced
-function).
+function). With `parallel_tool_calls: false` (`ToolPlan.parallel`) only the first call is
+kept (the grammar already allows only one for `required`).
 """
 
 from __future__ import annotations
@@ -64,13 +65,14 @@ def tool_message(
 ) -> tuple[str | None, list[dict[str, Any]], str | None]:
     """The message's content and tool calls, and the choice's finish reason."""
     extracted = _extract(plan, text)
+    kept = extracted.calls if plan.parallel else extracted.calls[:1]
     calls = [
         {
             "id": tool_call_id(),
             "type": "function",
             "function": {"name": call.name, "arguments": call.arguments},
         }
-        for call in extracted.calls
+        for call in kept
     ]
     return extracted.content, calls, _finish_reason(plan, bool(calls), finish_reason)
 
@@ -124,7 +126,8 @@ class ToolCallDeltas:
         parsed = self.streamer.feed(text)
         if finished:
             parsed.extend(self.streamer.finish())
-        return parsed.content, [self._entry(piece) for piece in parsed.calls]
+        pieces = [p for p in parsed.calls if self.plan.parallel or p.index == 0]
+        return parsed.content, [self._entry(piece) for piece in pieces]
 
     def finish_reason(self, reason: str | None) -> str | None:
         """The choice's finish reason once it ended with `reason`."""

@@ -13,7 +13,9 @@ the `ToolPlan` the response is built from (`tandem.server.tool_calls`). As vLLM:
   `{"name": <one of the functions>, "parameters": <its parameters>}`, with every
   function's `$defs` hoisted to the root), handed to the request's structured outputs;
 - `none` leaves the output alone; the tools are still rendered into the prompt unless the
-  server runs with `--exclude-tools-when-tool-choice-none`.
+  server runs with `--exclude-tools-when-tool-choice-none`;
+- `parallel_tool_calls: false` allows one call: `required`'s array gets `maxItems: 1` and
+  `auto` keeps the first call the parser finds.
 Errors are 400s naming the field (`tool_choice`, `tools.1.function.name`, ...).
 
 The tools reach the template as transformers' `apply_chat_template(..., tools=[...])`
@@ -57,12 +59,14 @@ class ToolServing:
 class ToolPlan:
     """How one request's output is read. `mode`: `none` (plain content), `auto` (the
     server's parser on free text), `required` (a constrained JSON array of calls) or
-    `named` (constrained arguments of `function`). `template_tools` go to the template."""
+    `named` (constrained arguments of `function`). `template_tools` go to the template;
+    `parallel` False allows one call."""
 
     mode: str = "none"
     function: str | None = None
     parser: ToolParser | None = None
     template_tools: list[dict[str, Any]] | None = None
+    parallel: bool = True
 
     @property
     def constrained(self) -> bool:
@@ -121,6 +125,7 @@ def plan_tools(req: ChatCompletionRequest, serving: ToolServing) -> ToolPlan:
     choice = tool_choice_of(req)
     functions = _functions(req)
     tools = [tool.model_dump(exclude_none=True) for tool in req.tools or []] or None
+    parallel = req.parallel_tool_calls is not False
     if choice == "none":
         exclude = serving.exclude_tools_when_tool_choice_none
         return ToolPlan("none", template_tools=None if exclude else tools)
@@ -132,9 +137,9 @@ def plan_tools(req: ChatCompletionRequest, serving: ToolServing) -> ToolPlan:
                 "instead: those need no parser)",
                 param="tool_choice",
             )
-        return ToolPlan("auto", parser=serving.parser, template_tools=tools)
+        return ToolPlan("auto", parser=serving.parser, template_tools=tools, parallel=parallel)
     if choice == "required":
-        return ToolPlan("required", template_tools=tools)
+        return ToolPlan("required", template_tools=tools, parallel=parallel)
     name = choice.removeprefix("function:")
     if name not in functions:
         known = ", ".join(repr(n) for n in functions)
@@ -182,6 +187,8 @@ def tool_call_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
             }
         )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": alternatives}}
+    if req.parallel_tool_calls is False:
+        schema["maxItems"] = 1
     for ref, def_schema in defs.items():
         key, _, def_name = ref.partition("/")
         schema.setdefault(key, {})[def_name] = def_schema

@@ -169,6 +169,13 @@ def test_required_on_a_prompt_without_a_tool_need_still_calls_a_tool(
     assert len({c.id for c in choice.message.tool_calls}) == len(choice.message.tool_calls)
 
 
+def test_required_without_parallel_calls_makes_exactly_one(client: openai.OpenAI) -> None:
+    out = chat(client, messages=NO_TOOL_PROMPT, tool_choice="required", parallel_tool_calls=False)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    assert_valid_call(choice.message.tool_calls[0])
+
+
 @pytest.mark.parametrize("tool_choice", [NAMED, "required"], ids=["named", "required"])
 def test_streamed_deltas_join_into_the_non_streamed_calls(
     client: openai.OpenAI, tool_choice: Any

@@ -324,6 +324,21 @@ def test_required_schema_accepts_exactly_arrays_of_valid_calls() -> None:
     assert TOOLS[0]["function"]["parameters"].get("$defs")  # the request was not changed
 
 
+def test_parallel_tool_calls_false_allows_one_call() -> None:
+    schema = tool_call_schema(chat_request(tool_choice="required", parallel_tool_calls=False))
+    assert schema is not None and schema["maxItems"] == 1
+    assert "maxItems" not in (tool_call_schema(chat_request(tool_choice="required")) or {})
+    serving = ToolServing(parser=HermesToolParser(), enable_auto_tool_choice=True)
+    plan = plan_tools(chat_request(parallel_tool_calls=False), serving)
+    two = f"<tool_call>{WEATHER}</tool_call><tool_call>{NESTED}</tool_call>"
+    content, calls, reason = tool_message(plan, two, "stop")
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] and reason == "tool_calls"
+    deltas = ToolCallDeltas(plan)
+    pieces = deltas.delta(two[:40], False)[1] + deltas.delta(two[40:], True)[1]
+    assert {p["index"] for p in pieces} == {0}
+    assert "".join(p["function"]["arguments"] for p in pieces) == calls[0]["function"]["arguments"]
+
+
 def test_required_with_conflicting_defs_is_a_400_naming_the_definition() -> None:
     clash = json.loads(json.dumps(TOOLS))
     clash[1]["function"]["parameters"] = {"$defs": {"City": {"type": "integer"}}}

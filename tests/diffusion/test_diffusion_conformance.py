@@ -59,7 +59,8 @@ def test_pytest_items_skip_not_applicable_with_the_reason(tmp_path: Path) -> Non
     """`pytest -p tandem --tandem-conformance diffusion-scheduler -rs`: the n/a checks and
     rules are skips whose reason starts with "n/a:" (only those items are selected)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    args = ["--tandem-conformance", "diffusion-scheduler", "-rs", "-k", "bounded or seeded or min"]
+    selected = "bounded or seeded or min or starvation"
+    args = ["--tandem-conformance", "diffusion-scheduler", "-rs", "-k", selected]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "tandem", "-p", "no:cacheprovider", *args],
         cwd=tmp_path,
@@ -70,7 +71,8 @@ def test_pytest_items_skip_not_applicable_with_the_reason(tmp_path: Path) -> Non
     )
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
-    assert "4 skipped" in out, out  # bounded-wait x 2 modes, seeded-parity, min-tokens
+    # bounded-wait and victim-starvation x 2 modes, seeded-parity, min-tokens
+    assert "6 skipped" in out, out
     skips = [line for line in out.splitlines() if line.startswith("SKIPPED")]
     assert skips and all(": n/a: " in line for line in skips), out
     for name in NA_CHECKS | NA_RULES:

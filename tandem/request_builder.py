@@ -10,13 +10,41 @@ prompt is cut to its last `truncate_prompt_tokens` tokens (-1: `max_model_len - 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.core.request import Request
 from tandem.llm_inputs import PromptType, _token_ids
 from tandem.sampling_params import SamplingParams
+
+
+def bad_words_token_ids(
+    tokenizer: Any, words: Sequence[str], given: Sequence[Sequence[int]] = ()
+) -> list[list[int]]:
+    """The token sequences to ban for `words`: `given` first, then each word as written and
+    with one leading space (vLLM's two variants), each distinct sequence once, in order.
+    Linear in the number of words (a set of tuples remembers what is already there)."""
+    sequences = [list(ids) for ids in given]
+    seen = {tuple(ids) for ids in sequences}
+    for word in words:
+        for variant in (word, " " + word.lstrip()):
+            ids = tokenizer(variant, add_special_tokens=False)["input_ids"]
+            key = tuple(ids)
+            if key and key not in seen:
+                seen.add(key)
+                sequences.append(list(ids))
+    return sequences
+
+
+def resolve_bad_words(tokenizer: Any, params: SamplingParams) -> SamplingParams:
+    """`params` with its `bad_words` tokenised into `bad_words_token_ids` and the words
+    cleared, so building the request does not tokenise them again (the server does this
+    in a worker thread, off its event loop)."""
+    if not params.bad_words:
+        return params
+    sequences = bad_words_token_ids(tokenizer, params.bad_words, params.bad_words_token_ids)
+    return params.model_copy(update={"bad_words_token_ids": sequences, "bad_words": []})
 
 
 class RequestBuilder:
@@ -52,13 +80,7 @@ class RequestBuilder:
     def _bad_words_token_ids(self, params: SamplingParams) -> SamplingParams:
         if not params.bad_words or self.tokenizer is None:
             return params
-        sequences: list[list[int]] = list(params.bad_words_token_ids)
-        for word in params.bad_words:
-            for variant in (word, " " + word.lstrip()):
-                ids = self.tokenizer(variant, add_special_tokens=False)["input_ids"]
-                if ids and ids not in sequences:
-                    sequences.append(ids)
-        return params.model_copy(update={"bad_words_token_ids": sequences})
+        return resolve_bad_words(self.tokenizer, params)
 
     def build(
         self,

@@ -211,6 +211,14 @@ class SamplingParams(BaseModel):
             raise ValueError("expected non-empty stop strings")
         return value
 
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words_non_empty_strings(cls, value: list[str]) -> list[str]:
+        for i, word in enumerate(value):
+            if not word:
+                raise ValueError(f"expected non-empty words (got '' at index {i})")
+        return value
+
     @field_validator("stop_token_ids", "bad_words_token_ids", "bad_words", mode="before")
     @classmethod
     def _none_as_empty(cls, value: Any) -> Any:

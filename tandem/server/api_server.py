@@ -4,11 +4,32 @@ Routes (vLLM's names and shapes): GET /v1/models, POST /v1/completions, POST
 /v1/chat/completions, POST /tokenize, POST /detokenize, GET /health (200; 503 once the
 engine died), GET /metrics (Prometheus text), GET /version.
 
-Guards: with an API key every /v1 route needs `Authorization: Bearer <key>` (401); a body
-over `max_request_body_bytes` is a 413 (by its Content-Length, or while it is read);
-malformed JSON, wrong types and out-of-range values are 400s naming the field; an unknown
-model name is a 404; a full queue a 429 with `Retry-After`. A client that disconnects
-cancels its request's handler, which aborts the request in the engine.
+Guards (what a client may not do to the server; docs/security.md has the whole list):
+
+- **API key.** With a key (`--api-key` or `TANDEM_API_KEY`) every route needs
+  `Authorization: Bearer <key>` (401 otherwise) except `OPEN_ROUTES`: `/health`,
+  `/metrics`, `/version` and `/ping` (as vLLM leaves them open: liveness probes and
+  scrapers carry no key). `/tokenize` and `/detokenize` run the tokenizer and the chat
+  template, so they need the key like `/v1/*`.
+- **Bodies.** Over `max_request_body_bytes` is a 413 (by Content-Length, or while read);
+  a body not complete within `body_timeout_s` is a 408. Malformed JSON, JSON nested past
+  `limits.MAX_JSON_DEPTH`, invalid Unicode, wrong types, out-of-range values, integers
+  past 64 bits and lists past `limits.LIST_LIMITS` are 400s naming the field; an unknown
+  model name is a 404; a full queue a 429 with `Retry-After`.
+- **Templates.** A request's `chat_template` is template text, never a path, and is
+  refused (400 naming `chat_template`) unless the server runs with
+  `--trust-request-chat-template`; every template renders in jinja2's sandbox under a
+  work bound (`template_guard`).
+- **The event loop.** Tokenising, template rendering, bad-word tokenising and parsing a
+  large body run on a small worker pool (`serving_common.run_blocking`).
+- **Connections.** At most `max_connections` open; headers must arrive within
+  `header_timeout_s`; idle kept-alive connections close after `timeout_keep_alive_s`
+  (`connection_guard`).
+- **Shutdown.** SIGTERM/SIGINT: requests in flight get `shutdown_timeout_s` to finish,
+  then end with a 503 body or an SSE error event (`drain`); the process exits 0.
+
+A client that disconnects cancels its request's handler, which aborts the request in the
+engine.
 """
 
 from __future__ import annotations
@@ -16,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -33,7 +53,17 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.server.budget import BudgetError, plan_budget
-from tandem.server.errors import APIError, bad_request, from_exception, from_validation_error
+from tandem.server.connection_guard import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    ConnectionGuard,
+    guarded_protocol,
+    raise_open_files_limit,
+)
+from tandem.server.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, guard_stream, uvicorn_grace_s
+from tandem.server.errors import APIError, from_exception, from_validation_error
+from tandem.server.limits import check_limits, parse_json_body
+from tandem.server.logprobs import use_vocabulary
 from tandem.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,14 +73,23 @@ from tandem.server.protocol import (
     TokenizeRequest,
 )
 from tandem.server.serving_chat import OpenAIServingChat
-from tandem.server.serving_common import check_model, run_cancellable
+from tandem.server.serving_common import check_model, run_blocking, run_cancellable
 from tandem.server.serving_completions import OpenAIServingCompletion
 from tandem.server.serving_tokenize import detokenize_response, tokenize_response
 from tandem.server.sse import MEDIA_TYPE, framed
+from tandem.server.template_guard import check_template_kwargs, request_template
 from tandem.server.to_sampling_params import CHAT_RENAMES
 from tandem.server.tool_choice import ToolServing, tool_parser_class
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20
+DEFAULT_BODY_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0
+#: The API process's GIL switch interval (see `run_server`).
+SWITCH_INTERVAL_S = 0.001
+#: Routes that answer without the API key (vLLM leaves the same ones open).
+OPEN_ROUTES = frozenset({"/health", "/metrics", "/version", "/ping"})
+#: Bodies up to this size are parsed on the event loop; larger ones on the worker pool.
+_PARSE_INLINE_BYTES = 64 << 10
 
 logger = logging.getLogger("tandem.server")
 
@@ -64,12 +103,16 @@ class ServerSettings:
     model_root: str | None = None
     api_key: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    trust_request_chat_template: bool = False
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     #: Tool calling: the `--tool-call-parser` and its flags (`tandem.server.tool_choice`).
     tools: ToolServing = field(default_factory=ToolServing)
 
 
 class _Guard:
-    """ASGI middleware: the API key on /v1 routes, and the Content-Length limit."""
+    """ASGI middleware: the API key on every route but `OPEN_ROUTES`, and the
+    Content-Length limit."""
 
     def __init__(self, app: Any, settings: ServerSettings) -> None:
         self.app = app
@@ -86,7 +129,7 @@ class _Guard:
     def _check(self, scope: dict) -> APIError | None:
         headers = dict(scope.get("headers") or [])
         key = self.settings.api_key
-        if key and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
+        if key and scope["path"] not in OPEN_ROUTES and scope.get("method") != "OPTIONS":
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 return APIError(401, "Unauthorized: a valid API key is required", param=None)
@@ -101,28 +144,49 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"the request body exceeds {limit} bytes (--max-request-body-bytes)")
 
 
-async def _read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object; 413 past `limit` bytes, 400 when it is not JSON."""
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The raw body; 413 past `limit` bytes."""
     size, parts = 0, []
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise _too_large(limit)
         parts.append(chunk)
-    try:
-        body = json.loads(b"".join(parts))
-    except ValueError as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
+    return b"".join(parts)
 
 
-def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
+async def _read_json(request: Request, settings: ServerSettings) -> dict[str, Any]:
+    """The body as a JSON object (`limits.parse_json_body`): 413 past the size limit, 408
+    when it does not arrive within `body_timeout_s`, 400 when it is not acceptable JSON.
+    A large body is parsed on the worker pool."""
     try:
-        return model.model_validate(body)
+        raw = await asyncio.wait_for(
+            _read_body(request, settings.max_request_body_bytes), settings.body_timeout_s
+        )
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"the request body did not arrive within {settings.body_timeout_s} s",
+            err_type="RequestTimeoutError",
+        ) from None
+    if len(raw) <= _PARSE_INLINE_BYTES:
+        return parse_json_body(raw)
+    return await run_blocking(parse_json_body, raw)
+
+
+def _parse(model: type[BaseModel], body: dict[str, Any], settings: ServerSettings) -> Any:
+    """The request model of `body`, within `limits`, its chat template checked."""
+    try:
+        req = model.model_validate(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    check_limits(req)
+    if hasattr(req, "chat_template_kwargs"):
+        trusted = settings.trust_request_chat_template
+        template = request_template(req.chat_template, req.chat_template_kwargs, trusted)
+        req.chat_template = template
+        req.chat_template_kwargs = check_template_kwargs(req.chat_template_kwargs) or None
+    return req
 
 
 def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
@@ -130,6 +194,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
     app.state.settings = settings
+    app.state.drain = drain = Drain()
+    use_vocabulary(engine.tokenizer)
     completions = OpenAIServingCompletion(engine)
     chat = OpenAIServingChat(engine, settings.tools)
     names = settings.served_model_names
@@ -144,7 +210,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if engine.dead_error is not None else 200)
+        return Response(status_code=200 if engine.is_healthy() else 503)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -171,17 +237,18 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     async def generate(request: Request, kind: type[BaseModel], handler: Any, renames: Any) -> Any:
         try:
-            body = await _read_json(request, settings.max_request_body_bytes)
-            req = _parse(kind, body)
+            body = await _read_json(request, settings)
+            req = _parse(kind, body, settings)
             name = check_model(req.model, names)
-            result = await run_cancellable(request.receive, handler.create(req, name))
+            work = handler.create(req, name)
+            result = await run_cancellable(request.receive, work, drain.waiter())
         except Exception as exc:  # noqa: BLE001 - every failure is an OpenAI error body
             return from_exception(exc, renames).response()
         if result is None:  # the client left; nobody reads this
             return Response(status_code=499)
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(framed(result), media_type=MEDIA_TYPE)
+        return StreamingResponse(framed(guard_stream(result, drain)), media_type=MEDIA_TYPE)
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Any:
@@ -193,16 +260,15 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Any:
-        req = _parse(TokenizeRequest, await _read_json(request, settings.max_request_body_bytes))
+        req = _parse(TokenizeRequest, await _read_json(request, settings), settings)
         check_model(req.model, names)
-        return JSONResponse(tokenize_response(engine, req))
+        return JSONResponse(await run_blocking(tokenize_response, engine, req))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Any:
-        body = await _read_json(request, settings.max_request_body_bytes)
-        req = _parse(DetokenizeRequest, body)
+        req = _parse(DetokenizeRequest, await _read_json(request, settings), settings)
         check_model(req.model, names)
-        return JSONResponse(detokenize_response(engine, req))
+        return JSONResponse(await run_blocking(detokenize_response, engine, req))
 
     app.add_middleware(_Guard, settings=settings)
     return app
@@ -256,12 +322,65 @@ async def serve_until_dead(
     return 1
 
 
+def uvicorn_config(
+    app: FastAPI,
+    host: str,
+    port: int,
+    *,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+    timeout_keep_alive_s: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+    log_level: str = "info",
+) -> Any:
+    """uvicorn's config for `app` with the connection guard (`connection_guard`: the cap
+    and the header deadline, state in `app.state.connection_guard`), the keep-alive
+    timeout, and a graceful-shutdown timeout past the app's drain grace period. The cap
+    is lowered, with a warning, when the open-files limit cannot hold it."""
+    import uvicorn
+
+    limit = raise_open_files_limit(max_connections + 1024)
+    if limit < max_connections + 256:
+        lowered = max(16, limit - 256)
+        logger.warning(
+            "--limit-concurrency %d does not fit the open-files limit %d: using %d",
+            max_connections,
+            limit,
+            lowered,
+        )
+        max_connections = lowered
+    guard = ConnectionGuard(max_connections=max_connections, header_timeout_s=header_timeout_s)
+    app.state.connection_guard = guard
+    settings: ServerSettings = app.state.settings
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=guarded_protocol("auto", guard),
+        log_level=log_level,
+        access_log=False,
+        limit_concurrency=max_connections + 16,  # a backstop: the guard keeps under it
+        timeout_keep_alive=max(1, round(timeout_keep_alive_s)),
+        timeout_graceful_shutdown=round(uvicorn_grace_s(settings.shutdown_timeout_s)),
+    )
+
+
 def _uvicorn_server(config: Any) -> Any:
     """uvicorn's server, stopping on SIGINT/SIGTERM without re-raising the signal after
-    its shutdown (uvicorn's default), so that `run_server` stops the engine and returns."""
+    its shutdown (uvicorn's default), so that `run_server` stops the engine and returns.
+    As its shutdown starts, the app's drain gets its grace period (`drain.Drain.begin`)."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[Any] | None = None) -> None:
+            app_state = getattr(self.config.app, "state", None)
+            drain, settings = (
+                getattr(app_state, "drain", None),
+                getattr(app_state, "settings", None),
+            )
+            if drain is not None and settings is not None:
+                drain.begin(settings.shutdown_timeout_s)
+            await super().shutdown(sockets)
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             if threading.current_thread() is not threading.main_thread():
@@ -291,12 +410,14 @@ def _run_loop(config: Any, main: Any) -> int:
 def run_server(args: argparse.Namespace) -> int:
     """`tandem serve`: print the budget, start the engine, serve until stopped or the
     engine dies. Returns the exit status (2 for a budget that does not fit)."""
-    import uvicorn
 
     from tandem.cli import _overrides
     from tandem.engine import AsyncLLM
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # The event loop waits for the GIL whenever a preprocessing thread holds it: hand it
+    # over every 1 ms instead of Python's default 5 ms, so responses stay prompt.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     threads = args.worker_threads if args.worker_threads is not None else args.threads
     try:
         budget = plan_budget(args.data_parallel_size, threads)
@@ -317,6 +438,7 @@ def run_server(args: argparse.Namespace) -> int:
         data_parallel_size=args.data_parallel_size,
         max_num_waiting=args.max_num_waiting,
         stream_buffer_size=args.stream_buffer_size,
+        max_engine_restarts=args.max_engine_restarts,
         **overrides,
     )
     try:
@@ -327,6 +449,9 @@ def run_server(args: argparse.Namespace) -> int:
             model_root=root,
             api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
             max_request_body_bytes=args.max_request_body_bytes,
+            body_timeout_s=args.timeout_request_body,
+            trust_request_chat_template=args.trust_request_chat_template,
+            shutdown_timeout_s=args.shutdown_timeout,
             tools=ToolServing(
                 parser=parser_class(engine.tokenizer) if parser_class is not None else None,
                 enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -334,13 +459,13 @@ def run_server(args: argparse.Namespace) -> int:
             ),
         )
         app = build_app(engine, settings)
-        config = uvicorn.Config(
+        config = uvicorn_config(
             app,
-            host=args.host,
-            port=args.port,
-            log_level="info",
-            access_log=False,
-            timeout_graceful_shutdown=2,
+            args.host,
+            args.port,
+            max_connections=args.limit_concurrency,
+            header_timeout_s=args.timeout_request_header,
+            timeout_keep_alive_s=args.timeout_keep_alive,
         )
         status = _run_loop(config, serve_until_dead(_uvicorn_server(config), engine))
     finally:

@@ -18,7 +18,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument(
         "--api-key",
-        help="require `Authorization: Bearer KEY` on /v1 routes (or env TANDEM_API_KEY)",
+        help="require `Authorization: Bearer KEY` on every route but /health, /metrics, "
+        "/version and /ping (or env TANDEM_API_KEY)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -36,6 +37,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         default=1 << 20,
         help="larger request bodies get 413 (default 1 MiB)",
     )
+    add_hardening_flags(parser)
     parser.add_argument(
         "--data-parallel-size", type=int, default=1, help="engine-core processes (default 1)"
     )
@@ -62,8 +64,60 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "template still gets them, as in vLLM)",
     )
     parser.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        default=3,
+        help="restart a dead engine core up to this many times with the same configuration "
+        "(requests in flight fail, later ones are served; 0: a death stops the server; "
+        "default 3)",
+    )
+    parser.add_argument(
         "--stream-buffer-size",
         type=int,
         default=1024,
         help="outputs a stream may fall behind before its request is aborted (default 1024)",
+    )
+
+
+def add_hardening_flags(parser: argparse.ArgumentParser) -> None:
+    """What a client may ask of the server: request templates, connections, timeouts,
+    shutdown (see docs/security.md)."""
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat template (template text, never a path) in a request's "
+        "chat_template; without this flag such requests get 400 (as in vLLM)",
+    )
+    parser.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=1024,
+        help="open connections at most; past it the connection idle longest is closed, "
+        "or, when all have a request in flight, the new one gets 503 (default 1024)",
+    )
+    parser.add_argument(
+        "--timeout-request-header",
+        type=float,
+        default=10.0,
+        help="seconds a connection may take to send a request's headers, from when it "
+        "opens or its last response ends; then it is closed (default 10)",
+    )
+    parser.add_argument(
+        "--timeout-request-body",
+        type=float,
+        default=60.0,
+        help="seconds a request's body may take to arrive; then 408 (default 60)",
+    )
+    parser.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle kept-alive connection stays open (uvicorn's, default 5)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds requests in flight may take to finish before "
+        "they end with a 503 or an SSE error event (default 30)",
     )

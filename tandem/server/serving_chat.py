@@ -30,7 +30,14 @@ from tandem.server.protocol import (
     DeltaMessage,
     usage,
 )
-from tandem.server.serving_common import OutputMerger, Prompt, prompt_len, random_id
+from tandem.server.serving_common import (
+    OutputMerger,
+    Prompt,
+    prompt_len,
+    random_id,
+    run_blocking,
+    with_bad_words,
+)
 from tandem.server.to_sampling_params import (
     chat_max_tokens_field,
     chat_sampling_params,
@@ -91,6 +98,7 @@ def render_chat(
             req.add_generation_prompt,
             req.continue_final_message,
             req.chat_template_kwargs,
+            allow_path=False,  # a request's template is text, never a file to read
             tools=tools,
         )[0]
     except APIError:
@@ -113,13 +121,17 @@ class OpenAIServingChat:
         """The response body (a dict), or an async iterator of JSON chunks when streaming.
         Raises `APIError` (or an engine error) before any output when refused."""
         plan = plan_tools(req, self.tools)
-        prompt = render_chat(self.engine, req.messages, req, plan.template_tools)
+        prompt = await run_blocking(
+            render_chat, self.engine, req.messages, req, plan.template_tools
+        )
         defaults = self.engine.get_default_sampling_params()
         max_len = self.engine.max_model_len
         asked, field = chat_max_tokens_field(req)
         length = prompt_len(prompt, req.truncate_prompt_tokens, max_len)
         budget = max_tokens_for(asked, length, max_len, defaults, field)
-        params = chat_sampling_params(req, budget, defaults, field)
+        params = await with_bad_words(
+            self.engine, chat_sampling_params(req, budget, defaults, field)
+        )
         request_id = req.request_id or random_id("chatcmpl")
         gen = self.engine.generate(
             prompt.as_engine_prompt(), params, request_id, priority=req.priority

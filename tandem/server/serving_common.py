@@ -1,6 +1,12 @@
 """What completions and chat share: model names, prompts, ids, and merging the streams
 of several prompts.
 
+`run_blocking(fn, ...)` runs CPU work a request brings (tokenising a prompt, rendering a
+chat template, tokenising bad words, parsing a large body) on a small pool of worker
+threads, so the event loop keeps answering `/health` and other requests meanwhile; every
+such piece of work is bounded (`limits.py`, `template_guard.py`), so a pool thread is never
+held for long.
+
 `OutputMerger` runs one `AsyncLLM.generate` per prompt and yields `(prompt index, output)`
 as outputs arrive. `start()` lets every generator run up to its first wait, so a request
 the engine refuses (bad prompt, full queue, dead engine) fails there, before a response
@@ -12,16 +18,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from tandem.outputs import RequestOutput
+from tandem.request_builder import resolve_bad_words
+from tandem.sampling_params import SamplingParams
 from tandem.server.errors import APIError, bad_request
 
 #: Cleanup tasks in flight (a reference keeps them from being garbage collected).
 _cleanups: set[asyncio.Task] = set()
+
+T = TypeVar("T")
+
+#: Worker threads for request preprocessing. Two: more would only contend for the GIL
+#: with the event loop (heavy requests queue here instead of slowing every response).
+PREPROCESS_THREADS = 2
+_pool: ThreadPoolExecutor | None = None
+
+
+async def run_blocking(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)` on the preprocessing pool, awaited without blocking the loop."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(PREPROCESS_THREADS, thread_name_prefix="tandem-preprocess")
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_pool, functools.partial(fn, *args, **kwargs))
 
 
 def random_id(prefix: str) -> str:
@@ -135,23 +161,51 @@ async def _close_all(tasks: list[asyncio.Future], gens: list[Any]) -> None:
             await gen.aclose()
 
 
-async def run_cancellable(receive: Any, work: Any) -> Any:
+async def run_cancellable(receive: Any, work: Any, stop: asyncio.Future | None = None) -> Any:
     """Await the coroutine `work`, cancelling it when the client disconnects (an
-    `http.disconnect` from ASGI `receive`, read after the body). Returns its result;
-    None when the client left."""
+    `http.disconnect` from ASGI `receive`, read after the body) or when `stop` completes
+    first (the server's shutdown grace period ended: `drain.shutdown_error()` is raised).
+    Returns its result; None when the client left."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(receive))
+    waits = {task, watcher} if stop is None else {task, watcher, stop}
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done():
+        finished = task.done()
+        if not finished:
             task.cancel()
         watcher.cancel()
-    if task.cancelled():
-        return None
-    return task.result()
+        stopped = stop is not None and stop.done() and not stop.cancelled()
+        if stop is not None:
+            stop.cancel()
+    if finished:
+        return None if task.cancelled() else task.result()
+    if stopped:
+        from tandem.server.drain import shutdown_error
+
+        raise shutdown_error()
+    return None
 
 
 async def _disconnected(receive: Any) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def with_bad_words(engine: Any, params: SamplingParams) -> SamplingParams:
+    """`params` with its `bad_words` tokenised (`resolve_bad_words`) on the preprocessing
+    pool; unchanged without bad words or without a tokenizer (the engine refuses those)."""
+    if not params.bad_words or engine.tokenizer is None:
+        return params
+    return await run_blocking(resolve_bad_words, engine.tokenizer, params)
+
+
+async def with_bad_words_each(engine: Any, params: list[SamplingParams]) -> list[SamplingParams]:
+    """`with_bad_words` for the parameters of a batch of prompts (the same words each:
+    they are tokenised once)."""
+    if not params or not params[0].bad_words:
+        return params
+    first = await with_bad_words(engine, params[0])
+    update = {"bad_words": first.bad_words, "bad_words_token_ids": first.bad_words_token_ids}
+    return [first, *(p.model_copy(update=update) for p in params[1:])]

@@ -33,9 +33,15 @@ from tandem.server.serving_common import (
     Prompt,
     prompt_len,
     random_id,
+    run_blocking,
     tokenize,
+    with_bad_words_each,
 )
-from tandem.server.to_sampling_params import completion_sampling_params, max_tokens_for
+from tandem.server.to_sampling_params import (
+    completion_max_tokens,
+    completion_sampling_params,
+    max_tokens_for,
+)
 
 
 class OpenAIServingCompletion:
@@ -68,17 +74,18 @@ class OpenAIServingCompletion:
         defaults = self.engine.get_default_sampling_params()
         max_len = self.engine.max_model_len
         params = []
+        asked, cap = completion_max_tokens(req)
         for prompt in prompts:
             length = prompt_len(prompt, req.truncate_prompt_tokens, max_len)
-            budget = max_tokens_for(req.max_tokens, length, max_len, defaults, "max_tokens")
+            budget = max_tokens_for(asked, length, max_len, defaults, "max_tokens", cap)
             params.append(completion_sampling_params(req, budget, defaults))
         return params
 
     async def create(self, req: CompletionRequest, model_name: str) -> dict[str, Any] | Any:
         """The response body (a dict), or an async iterator of JSON chunks when streaming.
         Raises `APIError` (or an engine error) before any output when refused."""
-        prompts = self._prompts(req)
-        params = self._params(req, prompts)
+        prompts = await run_blocking(self._prompts, req)  # tokenising: off the event loop
+        params = await with_bad_words_each(self.engine, self._params(req, prompts))
         request_id = req.request_id or random_id("cmpl")
         gens = [
             self.engine.generate(

@@ -4,7 +4,10 @@ Unset sampling fields take the model's defaults (`engine.get_default_sampling_pa
 from `generation_config.json` as vLLM does), then `SamplingParams`' own. `max_tokens` is
 the request's (chat: `max_completion_tokens`, else the deprecated `max_tokens`), else what
 the context leaves (`max_model_len - prompt tokens`), capped by the model's default when
-it sets one. The output constraint comes from `response_format` (`json_schema`,
+it sets one. As in vLLM, only an explicit `max_tokens` that does not fit the context is a
+400: a completions request that leaves `max_tokens` out gets OpenAI's default 16 *clamped
+to the room left*, and `max_tokens: null` gets the room left, so a 511-token prompt on a
+512-token model runs one token either way. The output constraint comes from `response_format` (`json_schema`,
 `json_object`), vLLM's `structured_outputs` body, its older `guided_*` fields, or a chat
 request's `tool_choice` (`required` or a named function: `tool_choice.tool_call_schema`);
 more than one is a 400. `prompt_logprobs` (not with streaming, as in vLLM) is the
@@ -117,10 +120,12 @@ def max_tokens_for(
     max_model_len: int,
     defaults: SamplingParams,
     param: str,
+    cap: int | None = None,
 ) -> int:
-    """The output budget: `asked`, else what the context leaves (capped by a model
-    default that `generation_config.json` set); 400 naming `param` when the prompt leaves
-    no room or prompt + `asked` exceeds `max_model_len`."""
+    """The output budget: `asked`, else what the context leaves capped by `cap` (the
+    request's own default) or else by a model default that `generation_config.json` set;
+    400 naming `param` when the prompt leaves no room or prompt + `asked` exceeds
+    `max_model_len`."""
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise bad_request(
@@ -130,6 +135,7 @@ def max_tokens_for(
         )
     if asked is None:
         default = defaults.max_tokens if "max_tokens" in defaults.model_fields_set else None
+        default = cap if cap is not None else default
         return min(room, default) if default is not None else room
     if asked >= 1 and num_prompt_tokens + asked > max_model_len:
         raise bad_request(
@@ -146,6 +152,15 @@ def _build(fields: dict[str, Any], renames: dict[str, str] | None) -> SamplingPa
         return SamplingParams(**fields)
     except ValueError as exc:  # SamplingParamsError: one line per bad field
         raise from_value_error(exc, renames) from None
+
+
+def completion_max_tokens(req: CompletionRequest) -> tuple[int | None, int | None]:
+    """(the `max_tokens` a completions request asked for, the cap when it asked for none):
+    left out, OpenAI's default (the field's default, 16) is a cap on the room left, not a
+    demand; given (a number or null), it is the request's."""
+    if "max_tokens" in req.model_fields_set:
+        return req.max_tokens, None
+    return None, req.max_tokens
 
 
 def completion_sampling_params(

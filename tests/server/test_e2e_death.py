@@ -1,4 +1,5 @@
-"""Killing the engine-core process of a live `tandem serve scripted` process mid-stream:
+"""Killing the engine-core process of a live `tandem serve scripted --max-engine-restarts 0`
+process mid-stream:
 the streaming client gets an error event then `[DONE]`, a non-streaming request in
 flight gets a 500 naming the engine's death, /health answers 503 while the server is
 still up, and the server process exits non-zero within a bounded time. Every wait is
@@ -57,7 +58,7 @@ def read_after_kill(stream: Any) -> tuple[list[str], str | None]:
 
 
 def test_killing_the_engine_core_fails_requests_and_exits() -> None:
-    with running_server("scripted", "--max-num-seqs", "4") as server:
+    with running_server("scripted", "--max-num-seqs", "4", "--max-engine-restarts", "0") as server:
         cores = server.engine_core_pids()
         assert len(cores) == 1, (cores, server.log())
         plain: list[Any] = []

@@ -26,6 +26,7 @@ FAMILIES = {
     "tandem:prefix_cache_queries": "counter",
     "tandem:prefix_cache_hits": "counter",
     "tandem:num_preemptions": "counter",
+    "tandem:engine_core_restarts": "counter",
     "tandem:prompt_tokens": "counter",
     "tandem:generation_tokens": "counter",
     "tandem:request_success": "counter",

@@ -91,7 +91,15 @@ class RequestBuilder:
         arrival_time: float | None = None,
     ) -> Request:
         """The engine's request (not yet validated against the model: the engine does
-        that in `add_request`)."""
+        that in `add_request`). Stop strings and bad words need the model's tokenizer:
+        without one they are refused (ValueError naming the field), never ignored."""
+        if self.tokenizer is None:
+            for name in ("stop", "bad_words"):
+                if getattr(params, name):
+                    raise ValueError(
+                        f"{name}: needs the model's tokenizer, and this model has none "
+                        "(use stop_token_ids / bad_words_token_ids)"
+                    )
         params = self._bad_words_token_ids(params)
         keep = params.truncate_prompt_tokens
         if keep is not None:

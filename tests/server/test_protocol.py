@@ -243,6 +243,9 @@ class FakeEngine:
     def get_default_sampling_params(self) -> SamplingParams:
         return SamplingParams()
 
+    def is_healthy(self) -> bool:
+        return self.dead_error is None
+
     def _out(self, j: int, steps: list[int], done: bool, params: SamplingParams) -> Any:
         words = [self.WORDS[s] for s in steps]
         lps = [{t: Logprob(-0.1, 1, w), 99: Logprob(-2.5, 2, "c")} for w, t in words]

@@ -253,3 +253,19 @@ def test_tool_choice_without_tools_and_a_bad_tool_are_400s(server: ServerProcess
     resp = httpx.post(f"{server.base_url}/chat/completions", json=bad_tool, timeout=30)
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "tools.0.function.name", resp.json()
+
+
+def test_a_parameters_schema_the_grammar_cannot_enforce_is_a_400_naming_tools(
+    client: openai.OpenAI,
+) -> None:
+    params = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+        "required": ["tags"],
+    }
+    tools = [{"type": "function", "function": {"name": "tag", "parameters": params}}]
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, tools=tools, tool_choice="required")
+    error = err.value.body
+    assert isinstance(error, dict) and error.get("param") == "tools", error
+    assert "uniqueItems" in error["message"]

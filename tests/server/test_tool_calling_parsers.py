@@ -24,6 +24,7 @@ from tandem.server.tool_choice import (
     plan_tools,
     template_messages,
     tool_call_schema,
+    warn_if_template_ignores_tools,
 )
 from tandem.server.tool_parsers import (
     DeltaParse,
@@ -399,6 +400,16 @@ def test_duplicate_function_names_are_a_400() -> None:
     with pytest.raises(APIError) as err:
         plan_tools(req, ToolServing())
     assert err.value.param == "tools.1.function.name"
+
+
+def test_a_template_that_ignores_tools_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    template = "{% for m in messages %}{{ m.content }}{% endfor %} (#once)"
+    with caplog.at_level("WARNING", logger="tandem.server"):
+        warn_if_template_ignores_tools(template)
+        warn_if_template_ignores_tools(template)
+        warn_if_template_ignores_tools("{{ tools | tojson }}")
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert len(caplog.records) == 1 and "does not read `tools`" in caplog.records[0].getMessage()
 
 
 def test_template_messages_parse_assistant_call_arguments() -> None:

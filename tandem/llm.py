@@ -305,6 +305,6 @@ class LLM:
                 return
             if progress is not None and finished:
                 progress.finished(finished)
-            if self.output_processor.stopped_by_string:
-                self.engine.abort_requests(self.output_processor.stopped_by_string)
-                self.output_processor.stopped_by_string = []
+            if self.output_processor.ended_here:
+                self.engine.abort_requests(list(self.output_processor.ended_here))
+                self.output_processor.ended_here = {}

@@ -62,8 +62,9 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any | None = None) -> None:
         self.tokenizer = tokenizer
         self.records: dict[str, _RequestRecord] = {}
-        #: Requests a stop string finished: the engine must abort them.
-        self.stopped_by_string: list[str] = []
+        #: Requests the front end ended (a stop string: "stop"; their own output could not
+        #: be processed: "error"), id -> finish reason: the engine must abort them.
+        self.ended_here: dict[str, str] = {}
         self._decoded: dict[int, str] = {}
 
     def add_request(
@@ -111,53 +112,64 @@ class OutputProcessor:
 
     def process(self, outputs: list[EngineCoreOutput]) -> list[str]:
         """Apply one step's outputs; return the ids that finished in it. Requests ended by
-        a stop string finish here with reason "stop" and are listed in
-        `stopped_by_string` for the engine to abort."""
+        a stop string finish here with reason "stop", and requests whose own output fails
+        to process (detokenising, stop strings, logprobs) with "error" naming the failure;
+        both are listed in `ended_here` for the engine to abort. The other requests of the
+        step are unaffected."""
         now = time.monotonic()
-        finished = []
+        finished: list[str] = []
         for out in outputs:
             record = self.records.get(out.request_id)
             if record is None or record.finish_reason is not None:
                 continue
-            if out.new_token_ids and record.metrics.first_token_time is None:
-                record.metrics.first_token_time = now
-            if out.prompt_logprobs is not None and record.wants_prompt_logprobs:
-                record.prompt_logprobs = [None] + [
-                    self._logprobs(entry, record.decode_logprobs) for entry in out.prompt_logprobs
-                ]
-            record.token_ids.extend(out.new_token_ids)
-            record.num_cached_tokens = out.num_cached_tokens
-            if record.logprobs is not None and out.new_logprobs:
-                self._add_logprobs(record, out.new_token_ids, out.new_logprobs)
-            if record.detokenizer is not None:
-                num_before = len(record.detokenizer.token_ids)
-                stop = record.detokenizer.append(
-                    out.new_token_ids,
-                    stop_terminated=out.finish_reason == "stop" and bool(out.new_token_ids),
-                )
-                if stop is not None:
-                    # A multi-token step (accepted drafts) may run past the stop string:
-                    # keep the tokens up to the one that completed it, drop the rest.
-                    extra = len(out.new_token_ids) - (
-                        len(record.detokenizer.token_ids) - num_before
-                    )
-                    if extra:
-                        del record.token_ids[-extra:]
-                        self._trim_logprobs(record)
-                if stop is not None and out.finish_reason is None:
-                    record.finish_reason = "stop"
-                    record.stop_reason = stop
-                    record.metrics.finished_time = now
-                    finished.append(out.request_id)
-                    self.stopped_by_string.append(out.request_id)
-                    continue
-            if out.finish_reason is not None:
-                record.finish_reason = out.finish_reason
-                record.stop_reason = out.stop_reason
-                record.error = out.error
+            try:
+                self._apply(record, out, now, finished)
+            except Exception as exc:  # this request's own output: end it alone
+                self.fail(out.request_id, f"processing the output failed: {exc!r}")
+                finished.append(out.request_id)
+                self.ended_here[out.request_id] = "error"
+        return finished
+
+    def _apply(
+        self, record: _RequestRecord, out: EngineCoreOutput, now: float, finished: list[str]
+    ) -> None:
+        """Apply one request's step output to its record (see `process`)."""
+        if out.new_token_ids and record.metrics.first_token_time is None:
+            record.metrics.first_token_time = now
+        if out.prompt_logprobs is not None and record.wants_prompt_logprobs:
+            record.prompt_logprobs = [None] + [
+                self._logprobs(entry, record.decode_logprobs) for entry in out.prompt_logprobs
+            ]
+        record.token_ids.extend(out.new_token_ids)
+        record.num_cached_tokens = out.num_cached_tokens
+        if record.logprobs is not None and out.new_logprobs:
+            self._add_logprobs(record, out.new_token_ids, out.new_logprobs)
+        if record.detokenizer is not None:
+            num_before = len(record.detokenizer.token_ids)
+            stop = record.detokenizer.append(
+                out.new_token_ids,
+                stop_terminated=out.finish_reason == "stop" and bool(out.new_token_ids),
+            )
+            if stop is not None:
+                # A multi-token step (accepted drafts) may run past the stop string:
+                # keep the tokens up to the one that completed it, drop the rest.
+                extra = len(out.new_token_ids) - (len(record.detokenizer.token_ids) - num_before)
+                if extra:
+                    del record.token_ids[-extra:]
+                    self._trim_logprobs(record)
+            if stop is not None and out.finish_reason is None:
+                record.finish_reason = "stop"
+                record.stop_reason = stop
                 record.metrics.finished_time = now
                 finished.append(out.request_id)
-        return finished
+                self.ended_here[out.request_id] = "stop"
+                return
+        if out.finish_reason is not None:
+            record.finish_reason = out.finish_reason
+            record.stop_reason = out.stop_reason
+            record.error = out.error
+            record.metrics.finished_time = now
+            finished.append(out.request_id)
 
     def _add_logprobs(
         self, record: _RequestRecord, new_token_ids: list[int], entries: list[TokenLogprobs]
@@ -239,7 +251,7 @@ class OutputProcessor:
         `output_kind` asks for: CUMULATIVE everything so far, DELTA what is new (nothing
         for a step that added no visible change, except the final output), FINAL_ONLY one
         output when it finishes. Finished requests are forgotten after their last output;
-        the caller still aborts `stopped_by_string` in the engine."""
+        the caller still aborts `ended_here` in the engine."""
         self.process(outputs)
         updated = list(dict.fromkeys(out.request_id for out in outputs))
         results: list[RequestOutput] = []

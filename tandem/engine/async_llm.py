@@ -418,15 +418,15 @@ class AsyncLLM:
             entry = self._child_parent.get(output.request_id)
             if entry is not None:
                 self._deliver(entry[0], entry[1], output)
-        stopped = self.output_processor.stopped_by_string
+        stopped = self.output_processor.ended_here
         if stopped:
-            self.output_processor.stopped_by_string = []
+            self.output_processor.ended_here = {}
             by_engine: dict[int, list[str]] = {}
-            for rid in stopped:
+            for rid, reason in stopped.items():
                 entry = self._child_parent.get(rid)
                 if entry is not None:
                     by_engine.setdefault(entry[0].engine_index, []).append(rid)
-                self._timings.end(rid, "stop", stats)
+                self._timings.end(rid, reason, stats)
             for engine_index, ids in by_engine.items():
                 self.client.send(engine_index, AbortRequests(ids))
         for out in outputs:

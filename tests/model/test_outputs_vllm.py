@@ -48,8 +48,8 @@ class CharTokenizer:
 
 def scripted_llm(tokenizer: bool = True, **overrides: Any) -> LLM:
     llm = make_scripted_llm(**{"vocab_size": VOCAB, "eos_token_id": EOS, **overrides})
-    if tokenizer:
-        llm.output_processor.tokenizer = CharTokenizer()
+    if tokenizer:  # detokenising and stop strings need it in the front end
+        llm.output_processor.tokenizer = llm._builder.tokenizer = CharTokenizer()
     return llm
 
 
@@ -253,9 +253,9 @@ def stream(llm: LLM, p: list[int], params: SamplingParams) -> list[RequestOutput
     while llm.engine.has_work():
         outputs, _ = llm.engine.run_step()
         results += llm.output_processor.stream(outputs)
-        if llm.output_processor.stopped_by_string:
-            llm.engine.abort_requests(llm.output_processor.stopped_by_string)
-            llm.output_processor.stopped_by_string = []
+        if llm.output_processor.ended_here:
+            llm.engine.abort_requests(list(llm.output_processor.ended_here))
+            llm.output_processor.ended_here = {}
     assert "s" not in llm.output_processor.records  # forgotten after its final output
     return results
 

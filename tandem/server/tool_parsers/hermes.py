@@ -130,7 +130,8 @@ class HermesStreamer(ToolCallStreamer):
         if not self._buf:
             return False
         used, pieces = self._call.feed(self._buf)
-        self._raw += self._buf[:used]
+        if not self._call.named:  # kept only while the tag may still turn out not a call
+            self._raw += self._buf[:used]
         self._buf = self._buf[used:]
         out.extend(DeltaParse(calls=pieces))
         scanner = self._call.scanner

@@ -16,12 +16,55 @@ decoded, in one piece, once the string is closed; a call without arguments gets 
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 
 from tandem.server.tool_parsers.base import ToolCall, ToolCallDelta
 
 #: Member names that hold a call's arguments (the first one present is used).
 ARGUMENT_KEYS = ("arguments", "parameters")
 JSON_WHITESPACE = " \t\r\n"
+
+
+class _Pieces:
+    """Text kept as the pieces it arrived in: appending costs O(1) and a slice its own
+    length, so streaming a long call stays linear in its size."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.starts: list[int] = []
+        self.length = 0
+
+    def append(self, piece: str) -> None:
+        if piece:
+            self.starts.append(self.length)
+            self.parts.append(piece)
+            self.length += len(piece)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` characters (a cut inside the last piece)."""
+        while self.parts and self.starts[-1] >= length:
+            self.parts.pop()
+            self.starts.pop()
+        if self.parts:
+            self.parts[-1] = self.parts[-1][: length - self.starts[-1]]
+        self.length = min(self.length, length)
+
+    def slice(self, start: int, end: int) -> str:
+        if start >= end:
+            return ""
+        i = bisect_right(self.starts, start) - 1
+        out, pos = [], start
+        while pos < end:
+            first = self.starts[i]
+            out.append(self.parts[i][pos - first : end - first])
+            pos = first + len(self.parts[i])
+            i += 1
+        return "".join(out)
+
+    def __str__(self) -> str:
+        if len(self.parts) > 1:
+            self.parts, self.starts = ["".join(self.parts)], [0]
+        return self.parts[0] if self.parts else ""
 
 
 class CallScanner:
@@ -34,7 +77,7 @@ class CallScanner:
     """
 
     def __init__(self) -> None:
-        self.text = ""
+        self._text = _Pieces()
         self.done = False
         self.failed = False
         self.name: str | None = None
@@ -53,18 +96,33 @@ class CallScanner:
     def feed(self, chunk: str) -> int:
         """Scan `chunk`; return how many of its characters were taken (all of them, unless
         the object closed or turned out not to be one inside it)."""
+        base = self._text.length
+        self._text.append(chunk)
         for i, ch in enumerate(chunk):
             if self.done or self.failed:
+                self._text.truncate(base + i)
                 return i
-            self._step(ch)
+            self._step(ch, base + i)
         return len(chunk)
+
+    @property
+    def text(self) -> str:
+        """Everything taken so far."""
+        return str(self._text)
+
+    def slice(self, start: int, end: int) -> str:
+        """`text[start:end]`, costing only its length."""
+        return self._text.slice(start, end)
+
+    def arguments_end(self) -> int:
+        """One past the arguments written so far (their end once they closed)."""
+        return self.args_end if self.args_end >= 0 else self._text.length
 
     def arguments_so_far(self) -> str:
         """The arguments value's text written so far ("" before it starts)."""
         if self.args_start < 0:
             return ""
-        end = self.args_end if self.args_end >= 0 else len(self.text)
-        return self.text[self.args_start : end]
+        return self.slice(self.args_start, self.arguments_end())
 
     def call(self) -> ToolCall | None:
         """The finished object as a call, or None: not finished, not valid JSON, no string
@@ -87,9 +145,7 @@ class CallScanner:
 
     # The scan ----------------------------------------------------------------------------
 
-    def _step(self, ch: str) -> None:
-        pos = len(self.text)
-        self.text += ch
+    def _step(self, ch: str, pos: int) -> None:
         if self._in_string:
             if self._escape:
                 self._escape = False
@@ -134,7 +190,7 @@ class CallScanner:
     def _string_closed(self, pos: int) -> None:
         if self._expect == "key":
             try:
-                self._key = json.loads(self.text[self._key_start : pos + 1])
+                self._key = json.loads(self.slice(self._key_start, pos + 1))
             except ValueError:
                 self.failed = True
                 return
@@ -182,10 +238,13 @@ class CallScanner:
             self.args_start = pos
 
     def _end_value(self, end: int) -> None:
-        value = self.text[self._value_start : end]
-        if self._key == "name" and self.name is None and value.startswith('"'):
+        if (
+            self._key == "name"
+            and self.name is None
+            and self.slice(self._value_start, self._value_start + 1) == '"'
+        ):
             try:
-                name = json.loads(value)
+                name = json.loads(self.slice(self._value_start, end))
             except ValueError:
                 name = None
             self.name = name if isinstance(name, str) else None
@@ -245,15 +304,15 @@ class CallStream:
                 self._sent_whole = True
                 return "{}"
             return ""
-        text = scanner.arguments_so_far()
-        if text.startswith("{"):
-            fragment = text[self._sent :]
-            self._sent = len(text)
+        start, end = scanner.args_start, scanner.arguments_end()
+        if scanner.slice(start, start + 1) == "{":
+            fragment = scanner.slice(start + self._sent, end)
+            self._sent = end - start
             return fragment
         if scanner.args_end >= 0:
             self._sent_whole = True
             try:
-                decoded = _decoded_arguments(json.loads(text))
+                decoded = _decoded_arguments(json.loads(scanner.slice(start, end)))
             except ValueError:
                 decoded = None
             return decoded or ""

@@ -17,7 +17,7 @@ import functools
 import importlib
 import inspect
 from dataclasses import dataclass
-from types import CodeType, SimpleNamespace
+from types import CodeType, MethodType, SimpleNamespace
 from typing import Any, ClassVar
 
 import pluggy
@@ -175,6 +175,10 @@ def _spec_manager() -> pluggy.PluginManager:
     return manager
 
 
+#: Stands for an instance when a hook implementation's signature is checked bound.
+_INSTANCE = object()
+
+
 def signature_errors(cls: type) -> list[str]:
     """Each hook implementation of `cls` that pluggy's own check (`register` against the
     hookspecs: argument names, wrapper shape) refuses, as `hook (file:line): why`. Run at
@@ -185,7 +189,12 @@ def signature_errors(cls: type) -> list[str]:
     manager = _spec_manager()
     for hook in sorted(implemented_hooks(cls) & ALL_HOOKS):
         function = getattr(cls, hook)
-        holder = SimpleNamespace(**{hook: function})
+        # An instance method is checked bound, as `register` sees it on an instance (its
+        # first parameter is the instance, whatever the function's name or where it was
+        # defined); static and class methods are already what an instance exposes.
+        raw = inspect.getattr_static(cls, hook)
+        checked = MethodType(function, _INSTANCE) if inspect.isfunction(raw) else function
+        holder = SimpleNamespace(**{hook: checked})
         try:
             manager.register(holder, name=f"signature-check:{hook}")
         except pluggy.PluginValidationError as exc:

@@ -9,10 +9,17 @@ scheduling, and under async scheduling (`-1` placeholders scheduled) this propos
 padded to the scheduled count — the same helper the grammar backends use, so their draft
 rows are the drafts verified here. A request that finishes or is preempted loses its
 proposal, and the drafter is told (`DraftContext.finished_req_ids`).
+
+A drafter that raises is asked again for each request alone: the requests that fail alone
+are reported as failed (the kernel ends each with `finish_reason == "error"`), the others
+get their drafts from one more call without them. When every request drafts fine alone,
+the step's error is raised again (nothing can be blamed on one request).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any, Protocol
 
 import torch
@@ -21,6 +28,8 @@ from tandem.core.scheduler_output import SchedulerOutput, drafts_to_verify
 from tandem.core.worker.draft_context import DraftContext
 from tandem.core.worker.flat_batch import FlatBatch
 from tandem.core.worker.input_batch import InputBatch
+
+logger = logging.getLogger("tandem.worker")
 
 
 class ProposeHook(Protocol):
@@ -58,13 +67,14 @@ class DraftStore:
         sampled_rows: list[list[int]],
         hidden: torch.Tensor | None,
         target: Any,
-    ) -> dict[str, list[int]] | None:
-        """Ask the drafter for the next step's drafts (None without a drafter). It sees
-        every request of the step (prefill chunks that did not sample with empty
-        `sampled_token_ids`); only the sampling requests' proposals are kept and returned.
-        `input_batch` already holds the step's accepted tokens."""
+    ) -> tuple[dict[str, list[int]] | None, dict[str, str]]:
+        """Ask the drafter for the next step's drafts (None without a drafter) and return
+        them with the requests whose drafting failed ({id: reason}, see the module
+        docstring). The drafter sees every request of the step (prefill chunks that did not
+        sample with empty `sampled_token_ids`); only the sampling requests' proposals are
+        kept and returned. `input_batch` already holds the step's accepted tokens."""
         if self.num_spec_tokens == 0:
-            return None
+            return None, {}
         row_of = input_batch.req_id_to_row
         indices = [r for r, req_id in enumerate(batch.req_ids) if req_id in row_of]
         req_ids = [batch.req_ids[r] for r in indices]
@@ -91,13 +101,60 @@ class DraftStore:
             block_ids=[input_batch.block_table.block_ids(row_of[r]) for r in req_ids],
             finished_req_ids=left,
         )
-        proposed = hooks.propose_drafts(context=context)
+        failed: dict[str, str] = {}
+        try:
+            proposed = hooks.propose_drafts(context=context)
+        except Exception as exc:
+            proposed, failed = _propose_isolating_failures(hooks, context, exc)
         if proposed is None:
-            return {}
+            return {}, failed
         drafts = {
             req_id: list(d[: self.num_spec_tokens])
             for r, req_id, d in zip(indices, req_ids, proposed, strict=True)
-            if r in num_drafts
+            if r in num_drafts and req_id not in failed
         }
         self.proposals.update(drafts)
-        return drafts
+        return drafts, failed
+
+
+def _subset(context: DraftContext, positions: list[int]) -> DraftContext:
+    """`context` with only the requests at `positions` (the step's tensors are shared)."""
+    per_request = (
+        "req_ids",
+        "token_ids",
+        "sampled_token_ids",
+        "batch_index",
+        "num_computed_tokens",
+        "num_valid_tokens",
+        "block_ids",
+    )
+    picked = {}
+    for name in per_request:
+        values = getattr(context, name)
+        picked[name] = [values[p] for p in positions] if values else values
+    return dataclasses.replace(context, **picked)
+
+
+def _propose_isolating_failures(
+    hooks: ProposeHook, context: DraftContext, error: Exception
+) -> tuple[list[list[int]] | None, dict[str, str]]:
+    """Proposals shaped as the batched call's (one list per request; none for a failed
+    one) and the failures, after the batched call raised `error`."""
+    failed: dict[str, str] = {}
+    for p, req_id in enumerate(context.req_ids):
+        try:
+            hooks.propose_drafts(context=_subset(context, [p]))
+        except Exception as exc:  # this request's own failure
+            failed[req_id] = f"drafting failed: {type(exc).__name__}: {exc}"
+            logger.warning("request %s: %s", req_id, failed[req_id])
+    if not failed:
+        raise error
+    good = [p for p, req_id in enumerate(context.req_ids) if req_id not in failed]
+    proposals: list[list[int]] = [[] for _ in context.req_ids]
+    if good:
+        answer = hooks.propose_drafts(context=_subset(context, good))
+        if answer is None:
+            return None, failed
+        for p, drafts in zip(good, answer, strict=True):
+            proposals[p] = list(drafts)
+    return proposals, failed

@@ -303,15 +303,16 @@ class ModelRunner:
                     sampled_rows,
                     result.logprobs,
                 )
+        drafts, draft_failures = self.drafts.propose(
+            self.hooks, batch, self.input_batch, sampled_rows, hidden, self.model
+        )
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
             sampled_token_ids=sampled_rows,
             logprobs=logprobs,
-            draft_token_ids=self.drafts.propose(
-                self.hooks, batch, self.input_batch, sampled_rows, hidden, self.model
-            ),
-            failed=failed,
+            draft_token_ids=drafts,
+            failed={**failed, **draft_failures},
             prompt_logprobs=prompt_logprobs,
         )
 

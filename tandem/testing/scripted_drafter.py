@@ -3,7 +3,8 @@
 It proposes `num_spec_tokens` drafts per request: the first `num_correct` follow the
 scripted model's rule (so verification accepts them), the rest are deliberately wrong (the
 scripted token plus one), so everything after them is rejected. `num_correct_by_request`
-overrides the count per request id. Use it with `speculative: {method: scripted,
+overrides the count per request id; `fail_for` names requests whose drafting raises (a
+drafter bug one request's data triggers, for failure-isolation tests). Use it with `speculative: {method: scripted,
 num_speculative_tokens: k}` and the scripted model:
 
     plugins: [{name: reference-scheduler}, {name: default-sampler},
@@ -25,6 +26,7 @@ from tandem.testing.scripted_model import scripted_next_token
 class ScriptedDrafterOptions(BaseModel):
     num_correct: int | None = Field(None, ge=0, description="correct leading drafts; None: all")
     num_correct_by_request: dict[str, int] = Field(default_factory=dict)
+    fail_for: list[str] = Field(default_factory=list, description="request ids that raise")
 
 
 class ScriptedDrafter:
@@ -60,6 +62,8 @@ class ScriptedDrafter:
         for req_id, history, sampled in zip(
             context.req_ids, context.token_ids, context.sampled_token_ids, strict=True
         ):
+            if req_id in self.options.fail_for and sampled:
+                raise RuntimeError(f"scripted-drafter: injected failure for {req_id}")
             drafts = self._drafts(req_id, history, context.num_spec_tokens) if sampled else []
             self.proposals.append((req_id, drafts))
             out.append(drafts)

@@ -66,3 +66,31 @@ def test_the_error_names_the_field() -> None:
         outputs, _ = engine.step_fn()
         errors += [o.error for o in outputs if o.finish_reason == "error"]
     assert len(errors) == 1 and "seed" in errors[0] and "input preparation" in errors[0]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_request_whose_drafting_raises_ends_alone(async_scheduling: bool) -> None:
+    """The drafter raises for one request: that request ends with an error naming the
+    drafting; the others keep speculating and give the scripted tokens."""
+    engine = make_scripted_engine(
+        async_scheduling=async_scheduling,
+        num_kv_blocks=40,
+        max_model_len=64,
+        speculative={"method": "scripted", "num_speculative_tokens": 2},
+        plugins=[
+            {"name": "reference-scheduler"},
+            {"name": "default-sampler"},
+            {"name": "scripted-drafter", "options": {"num_correct": 1, "fail_for": ["bad"]}},
+        ],
+    )
+    try:
+        for rid, prompt in PROMPTS.items():
+            engine.add_request(make_request(rid, prompt, max_tokens=10, ignore_eos=True))
+        engine.add_request(make_request("bad", [5, 6, 7], max_tokens=10, ignore_eos=True))
+        outputs = collect_outputs(engine)
+        assert outputs["bad"][1] == "error"
+        for rid, prompt in PROMPTS.items():
+            assert outputs[rid] == expected(prompt), rid
+        assert engine.dead_error is None
+    finally:
+        engine.shutdown()

@@ -39,6 +39,10 @@ Life of a constrained request:
    is the truth. A matcher that terminates (accepted EOS) on a request that did not stop
    ends it with "stop" at the next drain point.
 
+A matcher that raises (filling its rows, accepting a token) ends its own request with
+`finish_reason == "error"` naming the grammar step at the next drain point; its rows stay
+all-ones and the other requests' rows and matchers are untouched.
+
 Invariant: a ready request's matcher state is exactly its confirmed output prefix
 (`num_consumed == num_output_tokens` after every `update_from_output`).
 """
@@ -284,7 +288,7 @@ class StructuredOutputManager(TandemPlugin):
         self.num_deferred_steps += scheduler_output.pending_structured_output_tokens
         self.num_draft_rows += num_rows - len(req_ids)
         bitmask = allocate_bitmask(num_rows, self.vocab_size)
-        batches: dict[str, tuple[GrammarBackend, list[Matcher], list[int]]] = {}
+        batches: dict[str, tuple[GrammarBackend, list[Matcher], list[int], list[str]]] = {}
         row = 0
         for rid in req_ids:
             drafts = spec_tokens.get(rid, ())
@@ -292,17 +296,35 @@ class StructuredOutputManager(TandemPlugin):
             matcher = state.matcher if state is not None else None
             if state is not None and matcher is not None and not matcher.is_terminated():
                 if drafts:
-                    self._fill_spec_rows(state, matcher, list(drafts), bitmask, row)
+                    try:
+                        self._fill_spec_rows(state, matcher, list(drafts), bitmask, row)
+                    except Exception as exc:  # this request's grammar: end it alone
+                        self._fail_row(rid, bitmask, row, 1 + len(drafts), exc)
                 else:
-                    _, matchers, rows = batches.setdefault(
-                        state.backend.name, (state.backend, [], [])
+                    _, matchers, rows, rids = batches.setdefault(
+                        state.backend.name, (state.backend, [], [], [])
                     )
                     matchers.append(matcher)
                     rows.append(row)
+                    rids.append(rid)
             row += 1 + len(drafts)
-        for backend, matchers, rows in batches.values():
-            backend.fill_bitmasks(matchers, bitmask, rows)
+        for backend, matchers, rows, rids in batches.values():
+            try:
+                backend.fill_bitmasks(matchers, bitmask, rows)
+            except Exception:  # find the matchers that fail alone; fill the others
+                for matcher, one_row, rid in zip(matchers, rows, rids, strict=True):
+                    try:
+                        backend.fill_bitmasks([matcher], bitmask, [one_row])
+                    except Exception as exc:
+                        self._fail_row(rid, bitmask, one_row, 1, exc)
         return bitmask
+
+    def _fail_row(
+        self, rid: str, bitmask: torch.Tensor, row: int, num_rows: int, error: Exception
+    ) -> None:
+        """End `rid` (its matcher raised); its rows allow everything again."""
+        bitmask[row : row + num_rows] = -1
+        self._fail(rid, f"structured output: the grammar failed: {type(error).__name__}: {error}")
 
     @staticmethod
     def _fill_spec_rows(
@@ -346,7 +368,12 @@ class StructuredOutputManager(TandemPlugin):
             start = request.num_prompt_tokens + state.num_consumed
             new_tokens = request.all_token_ids[start:]
             for token in new_tokens:
-                if not state.matcher.accept_token(token):
+                try:
+                    accepted = state.matcher.accept_token(token)
+                except Exception as exc:  # this request's grammar: end it alone
+                    self._fail(rid, f"structured output: accepting token {token} failed: {exc}")
+                    break
+                if not accepted:
                     self._fail(rid, f"token {token} violates the grammar (a sampler ignored it)")
                     break
             else:

@@ -324,3 +324,49 @@ def test_auto_takes_the_first_backend_that_enforces_the_whole_constraint(
         r"xgrammar or outlines-core",
     ):
         manager.add_request(constrained("none", json={"type": "array", "uniqueItems": True}))
+
+
+class RaisingMatcher:
+    """Stands in for one request's matcher whose library call raises."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        raise RuntimeError("matcher state corrupted")
+
+    def accept_token(self, token: int) -> bool:
+        raise RuntimeError("matcher state corrupted")
+
+    @property
+    def matcher(self) -> Any:  # the library object a batched fill reads
+        raise RuntimeError("matcher state corrupted")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+def test_a_matcher_that_raises_ends_only_its_request(
+    smollm2_config: EngineConfig, backend: str
+) -> None:
+    """Before: the exception left the hook and stopped the engine for every request."""
+    manager = make_manager(smollm2_config, backend=backend)
+    good, bad = constrained("good", json=SCHEMA), constrained("bad", json=SCHEMA)
+    manager.add_request(good)
+    manager.add_request(bad)
+    wait_ready(manager, good, bad)
+    reference = manager.grammar_bitmask(step(["good"]))
+    assert reference is not None
+    manager._states["bad"].matcher = RaisingMatcher(manager._states["bad"].matcher)
+    bitmask = manager.grammar_bitmask(step(["good", "bad"]))
+    assert bitmask is not None
+    assert torch.equal(bitmask[0], reference[0])  # the healthy row is as before
+    assert bool((bitmask[1] == -1).all())  # the failed one allows everything
+    finished = manager.poll_finished_requests() or []
+    assert [(f.request_id, f.finish_reason) for f in finished] == [("bad", "error")]
+    assert "grammar failed" in (finished[0].error or "")
+    assert "good" in manager._states and "bad" not in manager._states

@@ -2,17 +2,29 @@
 
 `tandem serve` runs one API-server process (one thread doing compute: the event loop),
 N engine-core processes (a busy loop that sleeps when idle, and two I/O threads that wait
-on sockets) and, in each, a worker with k torch threads. The compute threads,
-`1 + N * k`, must fit the C cores this process may use (`os.sched_getaffinity`):
-by default k = max(1, (C - 1) // N); an explicit k, or N engines, that do not fit is an
-error naming the flags and the numbers. The one exception is a single engine on a single
-core (1 + 1 > 1: one thread per process is the least there is); the line then says so.
+on sockets) and, in each, a worker with k torch threads, on the C cores this process may
+use (`os.sched_getaffinity`).
+
+Defaults:
+- One engine on a small machine (C <= `SMALL_MACHINE_CORES`): k = C. The API server and
+  the engine loop share the worker's cores: they work in short bursts between tokens (a
+  few per cent of one core), while a core kept for them is a quarter to a half of the
+  compute, idle at low load (docs/cpu-performance.md, "Serving latency").
+- Otherwise k = max(1, (C - 1) // N): one core stays with the API server (as vLLM-CPU
+  keeps one for its front end), where it is a small share of the compute.
+
+Fit: the compute threads `1 + N * k` must fit C, except that one engine may share its
+cores with the API server (k <= C, the line says so). A budget that does not fit is an
+error naming the flags and the numbers.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+#: Up to this many cores, one engine's worker gets every core by default.
+SMALL_MACHINE_CORES = 4
 
 
 class BudgetError(ValueError):
@@ -29,15 +41,23 @@ class Budget:
     def compute_threads(self) -> int:
         return 1 + self.data_parallel_size * self.worker_threads
 
+    @property
+    def api_server_shares_cores(self) -> bool:
+        """True when the API server runs on the worker's cores (no core is kept for it)."""
+        return self.compute_threads > self.cores
+
     def line(self) -> str:
         """The one line `tandem serve` prints at start."""
         n, k = self.data_parallel_size, self.worker_threads
-        fits = "<=" if self.compute_threads <= self.cores else "> (one core: the least there is)"
+        fits = (
+            f"on {self.cores} cores this process may use: the API server shares the worker's cores"
+            if self.api_server_shares_cores
+            else f"<= {self.cores} cores this process may use"
+        )
         return (
             f"tandem serve: processes: API server 1 (1 thread), engine core x {n} (busy loop "
             f"+ 2 I/O threads, idle), worker {k} torch threads each; compute threads "
-            f"1 + {n}*{k} = {self.compute_threads} {fits} {self.cores} cores this process "
-            "may use"
+            f"1 + {n}*{k} = {self.compute_threads} {fits}"
         )
 
 
@@ -49,11 +69,19 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def default_worker_threads(data_parallel_size: int, cores: int) -> int:
+    """k for N engines on C cores when `--worker-threads` is not given (module docstring)."""
+    if data_parallel_size == 1 and cores <= SMALL_MACHINE_CORES:
+        return cores
+    return max(1, (cores - 1) // data_parallel_size)
+
+
 def plan_budget(
     data_parallel_size: int, worker_threads: int | None, cores: int | None = None
 ) -> Budget:
     """k threads per worker for N engines on `cores` (default: this process's); raise
-    `BudgetError` naming `--worker-threads` and `--data-parallel-size` when 1 + N*k > C."""
+    `BudgetError` naming `--worker-threads` and `--data-parallel-size` when the threads do
+    not fit (module docstring)."""
     cores = usable_cores() if cores is None else cores
     n = data_parallel_size
     if n < 1:
@@ -65,11 +93,16 @@ def plan_budget(
                 f"{1 + n} compute threads exceed the {cores} cores this process may use; "
                 f"use --data-parallel-size <= {max(1, cores - 1)}"
             )
-        return Budget(cores, n, max(1, (cores - 1) // n))
+        return Budget(cores, n, default_worker_threads(n, cores))
     if worker_threads < 1:
         raise BudgetError(f"--worker-threads: expected >= 1, got {worker_threads}")
     budget = Budget(cores, n, worker_threads)
-    if budget.compute_threads > cores:
+    if n == 1 and worker_threads > cores:
+        raise BudgetError(
+            f"--worker-threads {worker_threads}: more torch threads than the {cores} cores "
+            f"this process may use; use --worker-threads <= {cores}"
+        )
+    if n > 1 and budget.compute_threads > cores:
         raise BudgetError(
             f"--worker-threads {worker_threads} with --data-parallel-size {n}: 1 + {n}*"
             f"{worker_threads} = {budget.compute_threads} compute threads exceed the {cores} "

@@ -44,7 +44,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worker-threads",
         type=int,
-        help="torch threads per worker (default: (cores - 1) // data-parallel-size)",
+        help="torch threads per worker (default: every core for one engine on up to 4 "
+        "cores, else (cores - 1) // data-parallel-size)",
     )
     parser.add_argument(
         "--tool-call-parser",

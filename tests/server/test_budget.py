@@ -1,0 +1,37 @@
+"""The default thread budget of `tandem serve` (tandem/server/budget.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.server.budget import BudgetError, plan_budget
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 4])
+def test_one_engine_on_a_small_machine_computes_on_every_core(cores: int) -> None:
+    budget = plan_budget(1, None, cores=cores)
+    assert budget.worker_threads == cores
+
+
+def test_one_engine_on_a_large_machine_leaves_a_core_to_the_api_server() -> None:
+    assert plan_budget(1, None, cores=16).worker_threads == 15
+    assert not plan_budget(1, None, cores=16).api_server_shares_cores
+
+
+def test_the_budget_line_says_when_the_api_server_shares_the_worker_cores() -> None:
+    line = plan_budget(1, None, cores=2).line()
+    assert "worker 2 torch threads" in line
+    assert "1 + 1*2 = 3 on 2 cores this process may use: the API server shares" in line
+    assert "1 + 1*1 = 2 <= 2 cores" in plan_budget(1, 1, cores=2).line()
+
+
+def test_an_explicit_worker_thread_count_may_use_every_core_of_one_engine() -> None:
+    assert plan_budget(1, 2, cores=2).worker_threads == 2
+    with pytest.raises(BudgetError, match=r"--worker-threads 3: .* use --worker-threads <= 2"):
+        plan_budget(1, 3, cores=2)
+
+
+def test_several_engines_still_leave_a_core_to_the_api_server() -> None:
+    assert plan_budget(2, None, cores=4).worker_threads == 1
+    with pytest.raises(BudgetError, match=r"--worker-threads 2 with --data-parallel-size 2"):
+        plan_budget(2, 2, cores=4)

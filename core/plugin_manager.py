@@ -13,23 +13,17 @@ attributes read from the class, no instance (`CAPABILITIES`, documented on `Tand
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 from dataclasses import dataclass
-from types import CodeType, MethodType, SimpleNamespace
+from types import CodeType
 from typing import Any, ClassVar
 
 import pluggy
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tandem.config import ConfigError, EngineConfig, PluginSpec
-from tandem.core.hookspecs import (
-    EXCLUSIVE_SEAMS,
-    PROJECT,
-    EngineHookSpecs,
-    WorkerHookSpecs,
-)
+from tandem.core.hookspecs import PROJECT, EngineHookSpecs, WorkerHookSpecs
 from tandem.core.plugin_error import HookSite, PluginError, definition_site, failing_hook
 from tandem.sampling_params import format_validation_error
 
@@ -166,87 +160,21 @@ class ResolvedStack:
         return any(e.cap("applies_grammar_bitmask") for e in self.with_role("sampler"))
 
 
-@functools.cache
-def _spec_manager() -> pluggy.PluginManager:
-    """A manager holding only the hookspecs, for checking implementations against them."""
-    manager = pluggy.PluginManager(PROJECT)
-    manager.add_hookspecs(EngineHookSpecs)
-    manager.add_hookspecs(WorkerHookSpecs)
-    return manager
-
-
-#: Stands for an instance when a hook implementation's signature is checked bound.
-_INSTANCE = object()
-
-
-def signature_errors(cls: type) -> list[str]:
-    """Each hook implementation of `cls` that pluggy's own check (`register` against the
-    hookspecs: argument names, wrapper shape) refuses, as `hook (file:line): why`. Run at
-    stack resolution, so a bad signature fails `tandem config show`, not the first
-    `generate`. Each implementation is registered alone, on a throwaway holder, and
-    unregistered again."""
-    errors = []
-    manager = _spec_manager()
-    for hook in sorted(implemented_hooks(cls) & ALL_HOOKS):
-        function = getattr(cls, hook)
-        # An instance method is checked bound, as `register` sees it on an instance (its
-        # first parameter is the instance, whatever the function's name or where it was
-        # defined); static and class methods are already what an instance exposes.
-        raw = inspect.getattr_static(cls, hook)
-        checked = MethodType(function, _INSTANCE) if inspect.isfunction(raw) else function
-        holder = SimpleNamespace(**{hook: checked})
-        try:
-            manager.register(holder, name=f"signature-check:{hook}")
-        except pluggy.PluginValidationError as exc:
-            why = " ".join(str(exc).split("\n")[1:]) or str(exc)
-            errors.append(f"{hook} ({definition_site(function)}): {why}")
-        else:
-            manager.unregister(holder)
-    return errors
-
-
 def stack_entry(cls: type, spec: PluginSpec, where: str) -> StackEntry:
-    """`cls` as the stack entry `spec` names: it implements only known hooks, each with a
-    signature its hookspec accepts, and its options validate against its `Options` model
-    (errors name `where` and the implementation's `file:line`)."""
+    """`cls` as the stack entry `spec` names: it implements only known hooks and its
+    options validate against its `Options` model (errors name `where`). Resolution also
+    checks each hook implementation's signature (`tandem.stack_checks`)."""
     unknown = implemented_hooks(cls) - ALL_HOOKS
     if unknown:
         raise PluginConfigError(
             f"plugin {spec.name!r} implements unknown hook(s) {sorted(unknown)}; "
             f"known hooks: {sorted(ALL_HOOKS)}"
         )
-    bad = signature_errors(cls)
-    if bad:
-        raise PluginConfigError(
-            f"{where}: plugin {spec.name!r}: hook implementation does not match its "
-            f"hookspec: {'; '.join(bad)}"
-        )
     try:
         options = getattr(cls, "Options", NoOptions).model_validate(spec.options)
     except ValidationError as exc:
         raise PluginConfigError(format_validation_error(exc, f"{where}.options")) from exc
     return StackEntry(spec.name, cls, options, dict(spec.options), where)
-
-
-def check_exclusive_seams(stack: ResolvedStack) -> None:
-    """Refuse a stack in which two plugins answer the same exclusive policy seam
-    (`EXCLUSIVE_SEAMS`: the WAITING order, the preemption victim; see their hookspecs):
-    a first-result answer would silently shadow the other. The scheduler's own default
-    answer (a plugin with the scheduler role) does not count."""
-    for seam in EXCLUSIVE_SEAMS:
-        answering = [
-            e
-            for e in stack.entries
-            if e.cap("role") != "scheduler" and seam in implemented_hooks(e.cls)
-        ]
-        if len(answering) > 1:
-            first, second = answering[0], answering[1]
-            raise PluginConfigError(
-                f"{second.where}: plugins {first.name!r} ({first.where}) and {second.name!r} "
-                f"both answer {seam}, {EXCLUSIVE_SEAMS[seam]}; a stack takes one such "
-                f"policy (the first answer would silently shadow the other): keep one, or "
-                f"combine both rules in one plugin"
-            )
 
 
 def stack_of(config: EngineConfig) -> ResolvedStack:

@@ -1,7 +1,8 @@
 """Line counts of the tree against its size limits; prints them and writes JSON.
 
 - kernel: exactly `cat core/*.py | wc -l` (newlines in core/*.py, core/worker/ excluded),
-  limit 1,500;
+  limit 1,750 (1,500 until issue 24 added plugin-failure attribution, `plugin_error.py`,
+  to the plugin manager; resolution-time checks live in the front door, `stack_checks.py`);
 - files: the 10 largest .py files outside tests (no directory named `tests` in the path;
   virtual environments, build outputs and hidden directories skipped), limit 400 lines;
 - functions: the 10 longest functions in core/, plugins/ and kv/ (ast: from the `def` line
@@ -25,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "line_counts.json"
-LIMITS = {"kernel": 1500, "files": 400, "functions": 80}
+LIMITS = {"kernel": 1750, "files": 400, "functions": 80}
 FUNCTION_DIRS = ("core", "plugins", "kv")
 SKIP_DIRS = {"tests", "build", "dist", "node_modules", "__pycache__"}
 TOP = 10

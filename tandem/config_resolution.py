@@ -24,7 +24,6 @@ from tandem.core.plugin_manager import (
     ResolvedStack,
     StackEntry,
     capability,
-    check_exclusive_seams,
     implemented_hooks,
     import_class,
     stack_entry,
@@ -33,6 +32,7 @@ from tandem.core.worker.model_loader import model_loader_for
 from tandem.core.worker.threads import resolve_worker_threads
 from tandem.diffusion_config import DiffusionConfig
 from tandem.plugin_discovery import load_plugin_class, loadable_plugins
+from tandem.stack_checks import check_exclusive_seams, check_signatures
 
 logger = logging.getLogger("tandem.config")
 
@@ -174,7 +174,9 @@ def _entry(config: EngineConfig, spec: PluginSpec, where: str) -> StackEntry:
     if cls is None:
         path = spec.plugin if isinstance(spec.plugin, str) else None
         cls = load_plugin_class(path or spec.name, f"{where}.name")
-    return stack_entry(cls, spec, where)
+    entry = stack_entry(cls, spec, where)
+    check_signatures(cls, spec, where)
+    return entry
 
 
 def _check_roles(config: EngineConfig, stack: ResolvedStack, source: str) -> None:

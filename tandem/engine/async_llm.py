@@ -60,6 +60,11 @@ from tandem.core.plugin_manager import stack_of
 from tandem.core.worker.model_loader import model_loader_for
 from tandem.engine.core_client import EngineCoreClient
 from tandem.engine.errors import EngineDeadError, QueueFullError
+from tandem.engine.liveness import (
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_STALL_TIMEOUT_S,
+    EngineLiveness,
+)
 from tandem.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -79,38 +84,6 @@ from tandem.sampling_params import RequestOutputKind, SamplingParams
 from tandem.stack_file import load_config
 
 logger = logging.getLogger("tandem.engine")
-
-#: An engine core not heard from for this long is not live (seconds).
-DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
-#: An engine core busy without finishing a step for this long is stuck (seconds).
-DEFAULT_STALL_TIMEOUT_S = 300.0
-
-
-@dataclass(slots=True)
-class _Liveness:
-    """What the reader thread last heard from one engine core (monotonic seconds)."""
-
-    heard_at: float
-    steps: int = 0
-    steps_moved_at: float = 0.0
-    busy: bool = False
-
-    def hear(self, message: Any, now: float) -> None:
-        self.heard_at = now
-        if isinstance(message, EngineCoreHeartbeat):
-            if message.num_steps != self.steps or not message.has_work:
-                self.steps, self.steps_moved_at = message.num_steps, now
-            self.busy = message.has_work
-        else:  # outputs: a step finished
-            self.steps_moved_at = now
-
-    def problem(self, now: float, heartbeat_timeout_s: float, stall_timeout_s: float) -> str:
-        """Why this engine is not live, or "" when it is."""
-        if now - self.heard_at > heartbeat_timeout_s:
-            return f"no heartbeat for {now - self.heard_at:.1f} s"
-        if self.busy and now - self.steps_moved_at > stall_timeout_s:
-            return f"no step finished for {now - self.steps_moved_at:.1f} s"
-        return ""
 
 
 @dataclass(slots=True, eq=False)
@@ -195,7 +168,7 @@ class AsyncLLM:
         self._restart_waiters: list[asyncio.Future] = []
         self._closing = False
         self._generation = 0
-        self._liveness: list[_Liveness] = []
+        self._liveness: list[EngineLiveness] = []
         self.client = self._start_client(self._generation)
         atexit.register(self.shutdown)
 
@@ -204,7 +177,7 @@ class AsyncLLM:
         `generation`, so those of engines replaced by a restart are ignored."""
         now = time.monotonic()
         self._liveness = [
-            _Liveness(now, steps_moved_at=now) for _ in range(self.data_parallel_size)
+            EngineLiveness(now, steps_moved_at=now) for _ in range(self.data_parallel_size)
         ]
         return EngineCoreClient(
             self.config,

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,13 +29,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from tandem.config import ConfigError, EngineConfig
 from tandem.core import hookimpl
 from tandem.core.worker.draft_context import DraftContext
-from tandem.core.worker.paged_attention import (
-    PagedAttentionMetadata,
-    build_metadata,
-    paged_attention,
-)
 from tandem.spec_decode.draft_kv import DraftBlockTables, valid_rows
 from tandem.spec_decode.eagle_head import CONFIG_FILE, EagleHead, load_eagle_head
+
+if TYPE_CHECKING:
+    from tandem.core.worker.paged_attention import PagedAttentionMetadata
 
 #: paged_attention reads the layer index of the KV pool from its module argument.
 _HEAD_LAYER = SimpleNamespace(layer_idx=0)
@@ -81,6 +79,12 @@ class EagleDrafter:
     needs_hidden_states: ClassVar[bool] = True
 
     def __init__(self, config: EngineConfig, options: EagleDrafterOptions) -> None:
+        # paged_attention registers itself with transformers when imported: bound here, once,
+        # so importing the class (`tandem plugins list`) loads no transformers and no step
+        # pays an import.
+        global build_metadata, paged_attention
+        from tandem.core.worker.paged_attention import build_metadata, paged_attention
+
         spec = config.speculative
         path = options.model or (spec.model if spec is not None else None)
         if not path:

@@ -19,7 +19,7 @@ import os
 import shutil
 import subprocess
 
-from tandem.core.worker.cpu_kernels import CSRC, build_library
+from tandem.core.worker.native_build import CSRC, build_library
 
 logger = logging.getLogger("tandem.worker")
 

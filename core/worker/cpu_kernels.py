@@ -1,11 +1,8 @@
-"""Compiled CPU kernels, built from `csrc/` with the system C++ compiler on first use.
+"""Compiled CPU kernels' tensor wrappers: the paged decode attention kernel.
 
-The shared library is cached under `$TANDEM_CACHE/kernels/`, keyed by the source, the
-flags, the compiler's version and the CPU (the build is `-march=native`), so a second
-start loads it without compiling. The kernels take raw pointers through `ctypes`; they
-share torch's OpenMP runtime (torch loads `libgomp.so.1` first, the library links the same
-soname). `-ffast-math` applies when compiling only: linking with it would switch the whole
-process to flush-denormals-to-zero.
+The sources in `csrc/` are built and loaded by `native_build` (torch-free; its names are
+re-exported here for the modules that load their own kernels). The kernels take raw
+pointers through `ctypes`; they share torch's OpenMP runtime.
 
 `paged_decode_kernel()` returns None, with one warning, when there is no compiler or the
 build fails; `TANDEM_CPU_KERNELS=0` turns the kernels off. Callers then use torch.
@@ -15,88 +12,21 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from tandem.core.worker.model_files import cache_root
+from tandem.core.worker.native_build import (  # noqa: F401 - re-exported
+    COMPILE_FLAGS,
+    CSRC,
+    LINK_FLAGS,
+    build_library,
+    load_library,
+)
 
-logger = logging.getLogger("tandem.worker")
-
-CSRC = Path(__file__).resolve().parent / "csrc"
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
-LINK_FLAGS = ("-shared", "-fopenmp")
 #: The KV pool dtypes the decode kernel reads.
 KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16)
 PAGED_DECODE_ABI = 3
-
-
-def _cpu_identity() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    fields = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(fields)))
-
-
-def build_library(source: Path, compiler: str) -> Path:
-    """Compile `source` into a cached shared library and return its path."""
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=True
-    ).stdout
-    key = hashlib.sha256(
-        "\0".join(
-            [source.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version, _cpu_identity()]
-        ).encode()
-    ).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"{source.stem}-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    obj = target.with_suffix(f".{os.getpid()}.o")
-    tmp = target.with_suffix(f".{os.getpid()}.so")
-    try:
-        for cmd in (
-            [compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
-            [compiler, *LINK_FLAGS, str(obj), "-o", str(tmp)],
-        ):
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-        os.replace(tmp, target)  # atomic: concurrent builders agree on the result
-    finally:
-        obj.unlink(missing_ok=True)
-        tmp.unlink(missing_ok=True)
-    return target
-
-
-def load_library(source: str, abi_symbol: str, abi: int, fallback: str) -> ctypes.CDLL | None:
-    """`csrc/<source>` built and loaded, or None with one warning naming `fallback` (what
-    callers use instead): `TANDEM_CPU_KERNELS=0`, no C++ compiler, a failed build, or an
-    ABI version (`abi_symbol()`) other than `abi`."""
-    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
-        return None
-    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if compiler is None:
-        logger.warning("no C++ compiler found for %s: using %s", source, fallback)
-        return None
-    try:
-        library = ctypes.CDLL(str(build_library(CSRC / source, compiler)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("%s unavailable, using %s: %s", source, fallback, exc)
-        return None
-    if getattr(library, abi_symbol)() != abi:
-        logger.warning("%s ABI mismatch, using %s", source, fallback)
-        return None
-    return library
 
 
 @dataclass(frozen=True)

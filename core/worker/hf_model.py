@@ -11,37 +11,18 @@ from pathlib import Path
 
 import torch
 
-from tandem.core.worker.cpu_features import warn_if_bf16_emulated
 from tandem.core.worker.cpu_kernels import KERNEL_POOL_DTYPES, PagedDecodeKernel
 from tandem.core.worker.flat_batch import FlatBatch
 from tandem.core.worker.fused_decoder import FusedDecoder, float32_compute
 from tandem.core.worker.linear_choice import Linear, cpu_bf16_linear, cpu_f32_linear
+from tandem.core.worker.model_dtype import (  # noqa: F401 - re-exported
+    DTYPES,
+    kv_bytes_per_token,
+    resolve_dtype,
+)
 from tandem.core.worker.packed_linear import PackedLinear
 from tandem.core.worker.paged_attention import ATTENTION_NAME, build_metadata
 from tandem.core.worker.weight_release import own_remaining_parameters, release_parameters
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is bfloat16 on CUDA and float32 on CPU (never bfloat16 there: where the CPU
-    has no bf16 units it is no faster, and it is less exact). An explicit bfloat16 on a CPU
-    without bf16 units (AVX512-BF16 or AMX) runs (weights and KV in bfloat16, float32
-    compute) and says so once."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name == "bfloat16" and device.type == "cpu":
-        warn_if_bf16_emulated()
-    return DTYPES[name]
-
-
-def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:  # noqa: ANN001
-    head_dim = (
-        getattr(hf_config, "head_dim", None)
-        or hf_config.hidden_size // hf_config.num_attention_heads
-    )
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * elem
 
 
 def _plain_lm_head(causal_lm: torch.nn.Module) -> PackedLinear:

@@ -112,7 +112,7 @@ class HFModelLoader:
         model path becomes its resolved directory."""
         import torch
 
-        from tandem.core.worker.hf_model import kv_bytes_per_token, resolve_dtype
+        from tandem.core.worker.model_dtype import kv_bytes_per_token, resolve_dtype
         from tandem.core.worker.model_files import load_hf_config, resolve_model_dir
 
         model = config.model
@@ -138,7 +138,8 @@ class HFModelLoader:
         import torch
 
         from tandem.core.worker.cpu_kernels import paged_decode_kernel
-        from tandem.core.worker.hf_model import HFStepModel, resolve_dtype
+        from tandem.core.worker.hf_model import HFStepModel
+        from tandem.core.worker.model_dtype import resolve_dtype
         from tandem.core.worker.model_files import resolve_model_dir
 
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -15,3 +15,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def pytest_report_header() -> str:
+    """The load average and CPU count at the start: a run's durations (and any bounded
+    wait that ran out) read differently on a busy machine."""
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"load average: {load} on {os.cpu_count()} CPUs"

@@ -5,12 +5,20 @@
 200, and `stop()` terminates it (then kills it after a timeout); its output goes to a log
 file that failures quote. Every wait here is bounded in time; nothing loops forever.
 
+Deadlines hold on a busy machine: `scaled(seconds)` multiplies a bound meant for a quiet
+machine by `machine_slowness()`, measured once per test process (how much longer than its
+own CPU time a CPU-bound loop takes now: 1 on an idle machine, about 4 with eight runnable
+processes on two cores). A starting server past its scaled deadline gets more time while
+its processes still use CPU (it is progressing, only slowly), up to `PROGRESS_LIMIT` times
+the deadline.
+
 Also: the engine-core child process of a server, `/metrics` parsing, raw SSE reading with
 httpx, and the check of an OpenAI-style error body.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -19,7 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,8 +37,57 @@ import httpx
 
 T = TypeVar("T")
 HOST = "127.0.0.1"
+#: Seconds for a server to answer /health on a quiet machine (scaled: `scaled`).
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
+#: A server past its health deadline whose processes used at least PROGRESS_CPU_S of CPU in
+#: the last PROGRESS_WINDOW_S is still starting: it may wait up to PROGRESS_LIMIT deadlines.
+PROGRESS_CPU_S = 0.5
+PROGRESS_WINDOW_S = 30.0
+PROGRESS_LIMIT = 3.0
+#: CPU seconds of one calibration run, and how many runs `machine_slowness` takes.
+CALIBRATION_CPU_S = 0.05
+CALIBRATION_RUNS = 5
+
+
+def _calibration_run() -> float:
+    """Wall seconds over CPU seconds of a CPU-bound loop of about CALIBRATION_CPU_S."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    total = 0
+    while time.process_time() - cpu < CALIBRATION_CPU_S:
+        total += sum(range(2000))
+    return (time.perf_counter() - wall) / max(time.process_time() - cpu, 1e-9)
+
+
+@functools.cache
+def machine_slowness() -> float:
+    """How many times longer than on an idle machine a CPU-bound process takes now: the
+    median over CALIBRATION_RUNS loops of wall time over the CPU time they got, never
+    below 1. Measured once per test process, before its first server starts, so every
+    deadline of a session scales by the same factor."""
+    runs = sorted(_calibration_run() for _ in range(CALIBRATION_RUNS))
+    return max(1.0, runs[len(runs) // 2])
+
+
+def scaled(seconds: float) -> float:
+    """`seconds`, a bound meant for a quiet machine, scaled by `machine_slowness()`."""
+    return seconds * machine_slowness()
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its live descendants (0 for a process gone),
+    from /proc."""
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            with open(f"/proc/{current}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        todo += child_pids(current)
+    return total
 
 
 def free_port() -> int:
@@ -59,6 +117,7 @@ class ServerProcess:
     root the `openai` client takes."""
 
     def __init__(self, model: str, *flags: str, env: dict[str, str] | None = None) -> None:
+        machine_slowness()  # measured before any server of this process loads the machine
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.base_url = f"{self.url}/v1"
@@ -73,9 +132,14 @@ class ServerProcess:
         )
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> ServerProcess:
-        """Until /health answers 200; AssertionError with the log if it exits or times out."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        """Until /health answers 200; AssertionError with the log if the server exits, or
+        is not healthy by `scaled(timeout_s)` and its processes stopped using CPU (no
+        progress), or by PROGRESS_LIMIT times that in any case."""
+        started = time.monotonic()
+        deadline = scaled(timeout_s)
+        #: (seconds since start, CPU seconds used), the last PROGRESS_WINDOW_S of them.
+        samples: deque[tuple[float, float]] = deque()
+        while True:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited {self.proc.returncode}:\n{self.log()}")
             try:
@@ -83,8 +147,28 @@ class ServerProcess:
                     return self
             except httpx.HTTPError:
                 pass
+            now = time.monotonic() - started
+            samples.append((now, tree_cpu_seconds(self.proc.pid)))
+            while len(samples) > 1 and samples[1][0] <= now - PROGRESS_WINDOW_S:
+                samples.popleft()
+            if now >= deadline and not self._progressing(samples, now, deadline):
+                break
             time.sleep(0.1)
-        raise AssertionError(f"server not healthy within {timeout_s} s:\n{self.log()}")
+        cpu = samples[-1][1]
+        raise AssertionError(
+            f"server not healthy within {now:.0f} s (deadline {timeout_s} s x machine "
+            f"slowness {machine_slowness():.2f}; CPU used {cpu:.1f} s; load average "
+            f"{os.getloadavg()}):\n{self.log()}"
+        )
+
+    @staticmethod
+    def _progressing(samples: Iterable[tuple[float, float]], now: float, deadline: float) -> bool:
+        """Past the deadline: still below PROGRESS_LIMIT deadlines and at least
+        PROGRESS_CPU_S of CPU used in the last PROGRESS_WINDOW_S."""
+        if now >= PROGRESS_LIMIT * deadline:
+            return False
+        window = [cpu for t, cpu in samples if t >= now - PROGRESS_WINDOW_S]
+        return window[-1] - window[0] >= PROGRESS_CPU_S
 
     def log(self) -> str:
         """The server's output so far (its last 6000 characters)."""
@@ -161,7 +245,8 @@ def metric_values(url: str, name: str, label: str = "") -> list[float]:
 
 
 def wait_idle(url: str, timeout_s: float = 15.0) -> None:
-    """Until /metrics shows no running or waiting request and an empty KV pool."""
+    """Until /metrics shows no running or waiting request and an empty KV pool (within
+    `scaled(timeout_s)`)."""
 
     def idle() -> bool:
         names = (
@@ -172,7 +257,7 @@ def wait_idle(url: str, timeout_s: float = 15.0) -> None:
         samples = [metric_values(url, n) for n in names]
         return all(s and all(v == 0 for v in s) for s in samples)
 
-    wait_for(idle, timeout_s, "the server's KV pool and queues back to empty", 0.1)
+    wait_for(idle, scaled(timeout_s), "the server's KV pool and queues back to empty", 0.1)
 
 
 # SSE and errors -------------------------------------------------------------------------

@@ -12,11 +12,12 @@ import threading
 from typing import Any
 
 import httpx
-from e2e_helpers import metric_values, running_server, sse_events, wait_for
+from e2e_helpers import metric_values, running_server, scaled, sse_events, wait_for
 
 from tandem.sampling_params import SamplingParams
 from tandem.testing import expected_scripted_output
 
+#: The bound of every wait here on a quiet machine (each is `scaled`).
 WAIT_S = 120.0
 LONG = {"model": "scripted", "prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True}
 
@@ -24,7 +25,7 @@ LONG = {"model": "scripted", "prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eo
 def post(url: str, body: dict[str, Any], out: list[Any]) -> threading.Thread:
     def run() -> None:
         try:
-            out.append(httpx.post(f"{url}/v1/completions", json=body, timeout=WAIT_S))
+            out.append(httpx.post(f"{url}/v1/completions", json=body, timeout=scaled(WAIT_S)))
         except httpx.HTTPError as exc:
             out.append(exc)
 
@@ -39,20 +40,20 @@ def test_a_killed_engine_core_is_restarted_and_serves_the_next_requests() -> Non
         (core,) = server.engine_core_pids()
         plain: list[Any] = []
         with httpx.stream(
-            "POST", f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=WAIT_S
+            "POST", f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=scaled(WAIT_S)
         ) as resp:
             stream = sse_events(resp.iter_lines())
             assert json.loads(next(stream))["choices"][0]["token_ids"]
             waiters = [post(url, LONG, plain) for _ in range(3)]
             wait_for(
                 lambda: (metric_values(url, "tandem:num_requests_running") or [0])[0] >= 2,
-                WAIT_S,
+                scaled(WAIT_S),
                 "requests running beside the stream",
             )
             os.kill(core, signal.SIGKILL)
             events = list(stream)
         for waiter in waiters:
-            waiter.join(WAIT_S)
+            waiter.join(scaled(WAIT_S))
             assert not waiter.is_alive(), "a request in flight hangs after the engine died"
 
         assert events[-1] == "[DONE]" and '"error"' in events[-2], events[-3:]
@@ -66,13 +67,13 @@ def test_a_killed_engine_core_is_restarted_and_serves_the_next_requests() -> Non
         done = httpx.post(
             f"{url}/v1/completions",
             json={"model": "scripted", "prompt": prompt, "max_tokens": 6, "temperature": 0},
-            timeout=WAIT_S,
+            timeout=scaled(WAIT_S),
         )
         assert done.status_code == 200, done.text
         params = SamplingParams(temperature=0, max_tokens=6)
         want = expected_scripted_output(prompt, params, 128, 1, 1024)[0]
         assert done.json()["choices"][0]["token_ids"] == want
-        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, WAIT_S, "healthy")
+        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, scaled(WAIT_S), "healthy")
         assert metric_values(url, "tandem:engine_core_restarts_total") == [1.0]
         assert len(server.engine_core_pids()) == 1 and server.engine_core_pids() != [core]
         assert server.proc.poll() is None

@@ -1,7 +1,8 @@
 """Streaming under load against a live `tandem serve scripted` process: 64 concurrent
 greedy streams equal `tandem.LLM.generate` token for token; half of them disconnecting
-mid-stream leaves the others exact and the KV pool fully free (read from /metrics); a
-stalled reader beside 8 active streams leaves their inter-token latency within noise.
+mid-stream leaves the others exact and the KV pool fully free (read from /metrics); 8
+streams started beside a stalled reader stream and finish exactly while it stays blocked
+(their latency alone and beside it is measured by benchmarks/stalled_reader.py, not here).
 
 Token ids come from the server's `token_ids` field (returned on a model without a
 tokenizer, as vLLM's `return_token_ids`). Clients are `openai.AsyncOpenAI` streams on one
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import statistics
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,12 +26,14 @@ from e2e_helpers import (
     ServerProcess,
     metric_values,
     running_server,
+    scaled,
     wait_for,
     wait_idle,
 )
 
 from tandem import LLM
 from tandem.sampling_params import SamplingParams
+from tandem.testing import expected_scripted_output
 
 NUM_CLIENTS = 64
 MAX_TOKENS = 16
@@ -99,10 +101,10 @@ def run_clients(server: ServerProcess, jobs: list[tuple[list[int], int, int | No
 
     async def main() -> list:
         async with openai.AsyncOpenAI(
-            base_url=server.base_url, api_key="none", max_retries=0, timeout=120
+            base_url=server.base_url, api_key="none", max_retries=0, timeout=scaled(120)
         ) as client:
             runs = [stream_tokens(client, p, m, s) for p, m, s in jobs]
-            return await asyncio.wait_for(asyncio.gather(*runs), timeout=180)
+            return await asyncio.wait_for(asyncio.gather(*runs), timeout=scaled(180))
 
     return asyncio.run(main())
 
@@ -168,25 +170,17 @@ def stalled_request(server: ServerProcess, n: int) -> socket.socket:
     return sock
 
 
-def inter_token_latency(results: list) -> float:
-    """The median over streams of each stream's mean inter-token latency (first chunk to
-    last over the tokens after the first). Means, not single gaps: a client that reads
-    bursts of buffered chunks sees near-zero gaps that say nothing about the server."""
-    per_stream = []
-    for tokens, arrivals in results:
-        first_tokens = arrivals[0][1]
-        span = arrivals[-1][0] - arrivals[0][0]
-        per_stream.append(span / max(1, len(tokens) - first_tokens))
-    return statistics.median(per_stream)
-
-
 def run_beside_stalled_reader(server: ServerProcess, jobs: list) -> list:
     """`jobs` while a stalled reader's request (one sequence: its 1000 outputs fit the
-    server's per-stream buffer, so it stays blocked and running throughout) is open."""
+    server's per-stream buffer, so it stays blocked and running throughout) is open: it is
+    running before they start and still running after they all finished."""
     stalled = stalled_request(server, n=1)
     try:
-        time.sleep(0.2)
-        assert max(metric_values(server.url, "tandem:num_requests_running")) >= 1
+        wait_for(
+            lambda: max(metric_values(server.url, "tandem:num_requests_running")) >= 1,
+            scaled(10),
+            "the stalled reader's request running",
+        )
         results = run_clients(server, jobs)
         assert max(metric_values(server.url, "tandem:num_requests_running")) >= 1
         return results
@@ -194,28 +188,23 @@ def run_beside_stalled_reader(server: ServerProcess, jobs: list) -> list:
         stalled.close()
 
 
-def test_a_stalled_reader_does_not_slow_the_others(server) -> None:
-    """8 streams of 200 tokens, alone and beside a stalled reader, in 3 interleaved pairs:
-    all complete, and the median over runs of their inter-token latency beside the stalled
-    reader is within 3x (noise on a shared machine) of the median alone."""
+def test_a_stalled_reader_does_not_hold_up_the_others(server) -> None:
+    """8 greedy streams of 200 tokens started beside a stalled reader all finish, token for
+    token, each streamed in several chunks, while the stalled request is still running:
+    the server keeps serving the others instead of waiting on the blocked writer."""
     jobs = [(p, 200, None) for p in prompts(8)]
-    alone: list[float] = []
-    beside: list[float] = []
-    for _ in range(3):
-        for runs, stalled in ((alone, False), (beside, True)):
-            results = (
-                run_beside_stalled_reader(server, jobs) if stalled else run_clients(server, jobs)
-            )
-            assert all(len(tokens) == 200 for tokens, _ in results)
-            runs.append(inter_token_latency(results))
-            wait_idle(server.url, timeout_s=30)
-    ratio = statistics.median(beside) / statistics.median(alone)
-    assert ratio < 3, (ratio, alone, beside)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    want = [expected_scripted_output(p, params, 128, None, 4096)[0] for p, _, _ in jobs]
+    results = run_beside_stalled_reader(server, jobs)
+    assert [tokens for tokens, _ in results] == want
+    assert all(len(arrivals) >= 2 for _, arrivals in results)  # streamed, not one burst
+    wait_idle(server.url, timeout_s=30)
 
 
 def read_all(sock: socket.socket, timeout_s: float = 20.0) -> bytes:
-    """What the server sent on `sock` until it sent `data: [DONE]` or closed (bounded)."""
-    data, deadline = b"", time.monotonic() + timeout_s
+    """What the server sent on `sock` until it sent `data: [DONE]` or closed (within
+    `scaled(timeout_s)`)."""
+    data, deadline = b"", time.monotonic() + scaled(timeout_s)
     sock.settimeout(2)
     while b"data: [DONE]" not in data[-64:] and time.monotonic() < deadline:
         chunk = sock.recv(1 << 20)
@@ -233,7 +222,11 @@ def test_a_stalled_reader_is_aborted_when_its_buffer_fills(server) -> None:
     aborted = finished(server, "abort")
     stalled = stalled_request(server, n=8)
     try:
-        wait_for(lambda: finished(server, "abort") - aborted >= 8, 30, "the stalled stream aborted")
+        wait_for(
+            lambda: finished(server, "abort") - aborted >= 8,
+            scaled(30),
+            "the stalled stream aborted",
+        )
         wait_idle(server.url)
         data = read_all(stalled)
     finally:
@@ -251,6 +244,8 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(server) -> None:
     body = {"model": "scripted", "prompt": [2, 4, 6], "max_tokens": 4000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
-    wait_for(lambda: finished(server, "abort") - aborted >= 1, 15, "the left request aborted")
+    wait_for(
+        lambda: finished(server, "abort") - aborted >= 1, scaled(15), "the left request aborted"
+    )
     wait_idle(server.url)
     assert finished(server, "length") == completed

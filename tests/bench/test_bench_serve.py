@@ -257,3 +257,30 @@ def test_serve_compare_interleaves_servers_and_writes_ratios(tmp_path) -> None:
     assert set(ratios["per_rate"]) == {"100.0", "inf"}
     assert ratios["saturated_request_throughput"] > 0
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def _rate(rate: float | str, ttft: float, tpot: float, throughput: float) -> dict[str, Any]:
+    quantiles = {"p50": 1.0, "p99": 1.0}
+    return {
+        "request_rate": rate,
+        "ttft_ms": quantiles | {"p50": ttft},
+        "tpot_ms": quantiles | {"p50": tpot},
+        "request_throughput": throughput,
+    }
+
+
+def test_serve_compare_targets_cover_tpot_and_saturated_throughput() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from serve_compare_ratios import compare
+
+    vllm = {"rates": [_rate(0.5, 100.0, 50.0, 0.5), _rate("inf", 900.0, 90.0, 2.0)]}
+    faster = {"rates": [_rate(0.5, 90.0, 45.0, 0.5), _rate("inf", 800.0, 80.0, 2.2)]}
+    slower_tokens = {"rates": [_rate(0.5, 90.0, 55.0, 0.5), _rate("inf", 800.0, 80.0, 1.9)]}
+    good = compare(faster, vllm, None)["targets"]
+    assert good["ttft_p50_at_most_vllm_at_every_unsaturated_rate"] is True
+    assert good["tpot_p50_at_most_vllm_at_every_unsaturated_rate"] is True
+    assert good["saturated_throughput_at_least_vllm"] is True
+    bad = compare(slower_tokens, vllm, None)["targets"]
+    assert bad["ttft_p50_at_most_vllm_at_every_unsaturated_rate"] is True
+    assert bad["tpot_p50_at_most_vllm_at_every_unsaturated_rate"] is False
+    assert bad["saturated_throughput_at_least_vllm"] is False

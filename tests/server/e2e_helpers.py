@@ -218,7 +218,10 @@ def child_pids(pid: int) -> list[int]:
         return sorted(set(found))
     import psutil
 
-    return [c.pid for c in psutil.Process(pid).children()]
+    try:
+        return [c.pid for c in psutil.Process(pid).children()]
+    except psutil.Error:  # it (or a child) exited while we looked: no live children
+        return []
 
 
 def cmdline(pid: int) -> str:

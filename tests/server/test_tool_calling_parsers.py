@@ -313,7 +313,8 @@ def test_named_schema_is_the_function_parameters() -> None:
 
 
 def test_required_schema_accepts_exactly_arrays_of_valid_calls() -> None:
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema  # a test dependency (requirements/dev.txt): never skipped
+
     schema = tool_call_schema(chat_request(tool_choice="required"))
     assert schema is not None and "$defs" in schema  # hoisted so the $ref resolves
     validator = jsonschema.Draft202012Validator(schema)

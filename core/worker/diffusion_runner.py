@@ -77,15 +77,7 @@ class DiffusionRunner:
             if release is not None:
                 release(req_id)  # its blocks may be reused or recomputed
         for new in so.scheduled_new_reqs:
-            ib.add(
-                new.req_id,
-                new.sampling_params,
-                token_ids=new.token_ids,
-                num_prompt_tokens=new.num_prompt_tokens,
-                block_ids=new.block_ids,
-                num_computed_tokens=new.num_computed_tokens,
-                eos_token_id=new.eos_token_id,
-            )
+            ib.add_new(new)
             params = new.sampling_params
             eos = () if params.ignore_eos or new.eos_token_id is None else (new.eos_token_id,)
             self.states.admit(

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.core.scheduler_output import NewRequestData
 from tandem.core.worker.block_table import BlockTable
 from tandem.core.worker.host_tensors import host_int64
 from tandem.sampling_params import SAMPLING_EPS, SEED_MAX, SamplingParams
@@ -130,6 +131,18 @@ class InputBatch:
         return len(self.req_ids)
 
     # Rows in and out ------------------------------------------------------------------
+    def add_new(self, new: NewRequestData) -> int:
+        """`add` a request as the scheduler sent it (admitted, or resumed)."""
+        return self.add(
+            new.req_id,
+            new.sampling_params,
+            token_ids=new.token_ids,
+            num_prompt_tokens=new.num_prompt_tokens,
+            block_ids=new.block_ids,
+            num_computed_tokens=new.num_computed_tokens,
+            eos_token_id=new.eos_token_id,
+        )
+
     def add(
         self,
         req_id: str,

@@ -144,15 +144,7 @@ class ModelRunner:
             try:
                 if new.input_error is not None:
                     raise ValueError(new.input_error)
-                ib.add(
-                    new.req_id,
-                    new.sampling_params,
-                    token_ids=new.token_ids,
-                    num_prompt_tokens=new.num_prompt_tokens,
-                    block_ids=new.block_ids,
-                    num_computed_tokens=new.num_computed_tokens,
-                    eos_token_id=new.eos_token_id,
-                )
+                ib.add_new(new)
             except Exception as exc:  # this request's own data: end it alone
                 ib.remove(new.req_id)
                 failed[new.req_id] = f"input preparation failed: {type(exc).__name__}: {exc}"

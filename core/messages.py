@@ -66,7 +66,14 @@ class WorkerReply(Message):
 
 
 class WorkerError(Message):
+    """A call raised in the worker process: its traceback, and when a hook implementation
+    raised it, that implementation's plugin, hook and `file:line` (the frames that tell it
+    do not cross the pipe, so the worker names it)."""
+
     traceback: str
+    plugin: str | None = None
+    hook: str | None = None
+    where: str | None = None
 
 
 ToWorker = ExecuteModel | SampleTokens | Shutdown

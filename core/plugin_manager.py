@@ -289,7 +289,9 @@ class TandemPluginManager(pluggy.PluginManager):
         it (the caller reports `exc` as it is)."""
         if isinstance(exc, PluginError):
             return exc
-        site = failing_hook(exc, self.hook_sites())
+        site = getattr(exc, "hook_site", None)  # named where it ran (a worker process)
+        if not isinstance(site, HookSite):
+            site = failing_hook(exc, self.hook_sites())
         if site is None:
             return None
         failure = error(site.plugin, site.hook, site.where, phase, exc, step)

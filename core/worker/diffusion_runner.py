@@ -21,11 +21,14 @@ and, when the model has `release_context(req_id)`, the context K/V the model gat
 its canvases (DiffusionGemma: `diffusion_gemma_context.ContextCache`).
 
 `ModelRunnerOutput.sampled_token_ids[i]` is the committed tokens of request i, or `[]`
-(no commit: a canvas step that goes on, or a causal-only step).
+(no commit: a canvas step that goes on, or a causal-only step). A new request whose own data
+cannot be put in the batch (a seed past 64 bits) is left out of every step and reported in
+`ModelRunnerOutput.failed`, as in the autoregressive runner: it ends alone.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -43,6 +46,8 @@ from tandem.core.worker.diffusion_state import (
 from tandem.core.worker.flat_batch import prepare_flat_batch
 from tandem.core.worker.host_tensors import host_int64
 from tandem.core.worker.input_batch import InputBatch
+
+logger = logging.getLogger(__name__)
 
 
 class _Group:
@@ -65,29 +70,49 @@ class DiffusionRunner:
         self.block_size = block_size
         self.input_batch = InputBatch(max_num_reqs=max_num_reqs)
         self.states = DiffusionStates()
-        self._pending: list[tuple[SchedulerOutput, list[_Group]]] = []
+        #: Executed, not yet sampled steps: (output, canvas groups, the requests whose
+        #: inputs failed in that step with the reason).
+        self._pending: list[tuple[SchedulerOutput, list[_Group], dict[str, str]]] = []
+        #: Requests whose own inputs could not be prepared: left out of every step until the
+        #: scheduler reports them finished (the kernel ends them with their error).
+        self._excluded: set[str] = set()
 
     # Executing a step ----------------------------------------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def _update_states(self, so: SchedulerOutput) -> dict[str, str]:
+        """Apply the step's request changes. A new request whose own data cannot be put in
+        the batch is left out and returned as {id: reason}; the others go on."""
         ib = self.input_batch
         release = getattr(self.model, "release_context", None)  # optional on the model
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             ib.remove(req_id)
             self.states.forget(req_id)  # a preempted request restarts its canvas
+            self._excluded.discard(req_id)
             if release is not None:
                 release(req_id)  # its blocks may be reused or recomputed
+        failed: dict[str, str] = {}
         for new in so.scheduled_new_reqs:
-            ib.add_new(new)
-            params = new.sampling_params
-            eos = () if params.ignore_eos or new.eos_token_id is None else (new.eos_token_id,)
-            self.states.admit(
-                new.req_id,
-                params.seed,
-                eos,
-                len(new.token_ids) - new.num_prompt_tokens,
-                self.model.canvas_length,
-            )
+            try:
+                if new.input_error is not None:
+                    raise ValueError(new.input_error)
+                ib.add_new(new)
+                params = new.sampling_params
+                eos = () if params.ignore_eos or new.eos_token_id is None else (new.eos_token_id,)
+                self.states.admit(
+                    new.req_id,
+                    params.seed,
+                    eos,
+                    len(new.token_ids) - new.num_prompt_tokens,
+                    self.model.canvas_length,
+                )
+            except Exception as exc:  # this request's own data: end it alone
+                ib.remove(new.req_id)
+                self.states.forget(new.req_id)
+                failed[new.req_id] = f"input preparation failed: {type(exc).__name__}: {exc}"
+                logger.warning("request %s: %s", new.req_id, failed[new.req_id])
+        self._excluded.update(failed)
         for cached in so.scheduled_cached_reqs:
+            if cached.req_id in self._excluded:
+                continue
             row = ib.req_id_to_row[cached.req_id]
             own = int(ib.num_computed_tokens[row])
             if cached.num_computed_tokens != own:
@@ -97,15 +122,18 @@ class DiffusionRunner:
                 )
             ib.block_table.append(row, cached.new_block_ids)
         ib.condense()
+        return failed
 
     def execute_model(self, so: SchedulerOutput) -> None:
-        self._update_states(so)
+        failed = self._update_states(so)
         canvases = so.scheduled_spec_decode_tokens
         row_of = self.input_batch.req_id_to_row
-        order = sorted(so.num_scheduled_tokens, key=row_of.__getitem__)
+        running = [r for r in so.num_scheduled_tokens if r not in self._excluded]
+        order = sorted(running, key=row_of.__getitem__)
         causal = {r: so.num_scheduled_tokens[r] - len(canvases.get(r, ())) for r in order}
         self._encode([r for r in order if causal[r] > 0], causal)
-        self._pending.append((so, self._denoise([r for r in order if r in canvases], canvases)))
+        groups = self._denoise([r for r in order if r in canvases], canvases)
+        self._pending.append((so, groups, failed))
 
     def _encode(self, req_ids: list[str], counts: dict[str, int]) -> None:
         """One causal pass over the prompt chunks and committed canvases of `req_ids`."""
@@ -184,7 +212,7 @@ class DiffusionRunner:
 
     # Sampling a step -----------------------------------------------------------------------
     def sample_tokens(self, grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
-        so, groups = self._pending.pop(0)
+        so, groups, failed = self._pending.pop(0)
         committed: dict[str, list[int]] = {}
         for group in groups:
             committed.update(self._sample_group(group))
@@ -193,6 +221,7 @@ class DiffusionRunner:
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[committed.get(r, []) for r in req_ids],
+            failed=failed,
         )
 
     def _sample_group(self, group: _Group) -> dict[str, list[int]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import multiprocessing as mp
+import sys
 import threading
 import traceback
 from collections import deque
@@ -37,6 +38,7 @@ from tandem.core.messages import (
     encode,
 )
 from tandem.core.model_runner_output import ModelRunnerOutput, resolve_output
+from tandem.core.plugin_error import HookSite, failing_hook
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.worker import Worker
 from tandem.sampling_params import SamplingParams
@@ -77,7 +79,22 @@ class ThreadExecutor(Executor):
 
 
 class WorkerProcessError(RuntimeError):
-    """The worker process raised; the message carries its traceback."""
+    """The worker process raised; the message carries its traceback. `hook_site`, when a
+    hook implementation raised it there, names it (`PluginManager.plugin_error` reads it)."""
+
+    def __init__(self, message: str, hook_site: HookSite | None = None) -> None:
+        super().__init__(message)
+        self.hook_site = hook_site
+
+
+def _worker_error(worker: Worker) -> WorkerError:
+    """The exception being handled as a `WorkerError`, naming the hook implementation that
+    raised it when there is one (found here, where its frames are)."""
+    exc = sys.exc_info()[1]
+    site = failing_hook(exc, worker.plugin_manager.hook_sites()) if exc is not None else None
+    if site is None:
+        return WorkerError(traceback.format_exc())
+    return WorkerError(traceback.format_exc(), site.plugin, site.hook, site.where)
 
 
 def _worker_main(config: EngineConfig, conn: Connection) -> None:
@@ -104,7 +121,7 @@ def _worker_main(config: EngineConfig, conn: Connection) -> None:
                 output = worker.sample_tokens(bitmask.to_tensor() if bitmask else None)
                 reply = encode(WorkerReply(resolve_output(output)))
         except BaseException:
-            reply = encode(WorkerError(traceback.format_exc()))
+            reply = encode(_worker_error(worker))
         conn.send_bytes(reply)
 
 
@@ -153,7 +170,11 @@ class ProcessExecutor(Executor):
                 future.set_result(reply.output)
             else:
                 message = f"the worker process raised:\n{reply.traceback}"
-                future.set_exception(WorkerProcessError(message))
+                site = None
+                if reply.plugin is not None:
+                    hook, where = reply.hook or "?", reply.where or "?"
+                    site = HookSite(reply.plugin, hook, None, False, where)
+                future.set_exception(WorkerProcessError(message, site))
         with self._lock:
             self._closed = True
             while self._pending:

@@ -94,3 +94,53 @@ def test_a_request_whose_drafting_raises_ends_alone(async_scheduling: bool) -> N
         assert engine.dead_error is None
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_diffusion_request_whose_inputs_fail_ends_alone(async_scheduling: bool) -> None:
+    """The block-diffusion runner isolates input preparation the same way: the request
+    with a seed past 64 bits ends with an error naming the seed, the others commit their
+    scripted canvases and the engine serves the next request."""
+    from tandem.config import EngineConfig
+    from tandem.config_resolution import resolve_config
+    from tandem.core.engine_core import EngineCore
+    from tandem.stack_file import load_config
+    from tandem.testing.scripted_diffusion import expected_scripted_diffusion_output
+
+    config = resolve_config(
+        load_config(
+            EngineConfig(),
+            model="scripted-diffusion",
+            vocab_size=16,
+            max_model_len=32,
+            block_size=4,
+            check_invariants=True,
+            async_scheduling=async_scheduling,
+        )
+    )
+    engine = EngineCore(config)
+    prompts = {"a": [3, 4, 5], "b": [9, 9, 9, 9, 9, 2], "c": [2, 7]}
+    try:
+        for rid, prompt in prompts.items():
+            engine.add_request(make_request(rid, prompt, max_tokens=9, seed=3))
+        bad = make_request("bad", [5, 6, 7], max_tokens=9, seed=7)
+        engine.add_request(bad)
+        bad.sampling_params = bad.sampling_params.model_copy(update={"seed": 2**70})
+        errors: list[str] = []
+        outputs: dict[str, tuple[list[int], str | None]] = {}
+        for o in engine.run_until_idle(10_000):
+            tokens, _ = outputs.get(o.request_id, ([], None))
+            outputs[o.request_id] = (tokens + list(o.new_token_ids), o.finish_reason)
+            if o.finish_reason == "error":
+                errors.append(o.error or "")
+        assert outputs["bad"] == ([], "error")
+        assert len(errors) == 1 and "seed" in errors[0] and "input preparation" in errors[0]
+        for rid, prompt in prompts.items():
+            params = make_request(rid, prompt, max_tokens=9, seed=3).sampling_params
+            want = expected_scripted_diffusion_output(prompt, params, engine.config)
+            assert outputs[rid] == want, rid
+        assert engine.dead_error is None
+        engine.add_request(make_request("bad", prompts["a"], max_tokens=9, seed=3))
+        assert collect_outputs(engine)["bad"] == outputs["a"]
+    finally:
+        engine.shutdown()

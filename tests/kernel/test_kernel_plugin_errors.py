@@ -203,3 +203,40 @@ def test_one_plugin_per_seam_still_stacks() -> None:
     """An ordering, a victim and the scheduler's own default victim: no conflict."""
     engine = make_scripted_engine(plugins=_stack(OrderA, VictimA))
     engine.shutdown()
+
+
+class BatchOnlySampler(TandemPlugin):
+    """Raises when asked to sample two or more requests together (no single request
+    explains that, so the step fails); leaves one request to the default sampler."""
+
+    @hookimpl(tryfirst=True)
+    def sample(self, logits: Any, metadata: Any) -> None:
+        if logits.shape[0] >= 2:
+            raise OverflowError("batched sampling overflowed")
+
+
+@pytest.mark.parametrize("executor", ["inprocess", "thread", "process"])
+def test_a_worker_side_hook_failure_names_the_plugin_in_every_executor(executor: str) -> None:
+    """The sampler runs in the worker; under the process executor its frames stay in the
+    worker process, which names the implementation before the error crosses the pipe."""
+    engine = make_scripted_engine(
+        plugins=["reference-scheduler", BatchOnlySampler, "default-sampler"],
+        parallel={"executor": executor},
+        max_model_len=32,
+    )
+    try:
+        for i in range(2):
+            engine.add_request(make_request(f"r{i}", [2 + i] * 4, max_tokens=4, ignore_eos=True))
+        while engine.has_work():
+            engine.run_step()
+        failure = engine.dead_exception
+        assert isinstance(failure, PluginError), engine.dead_error
+        assert failure.plugin.endswith(":BatchOnlySampler")
+        assert failure.hook == "sample"
+        assert failure.where == _line_of(BatchOnlySampler.sample)
+        assert failure.step == engine.num_steps
+        message = engine.dead_error or ""
+        assert "BatchOnlySampler" in message and "hook sample" in message
+        assert "batched sampling overflowed" in message
+    finally:
+        engine.shutdown()

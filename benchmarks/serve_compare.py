@@ -97,13 +97,15 @@ def cpu_flags() -> dict[str, Any]:
 
 def model_dir(model: str) -> str:
     """The HF directory vLLM loads: tandem's converted SmolLM2 for "default" (as in
-    vllm_runner.py), else `model` itself."""
+    vllm_runner.py; converted here when a fresh machine has no copy yet), else `model`."""
     if model != "default":
         return model
     cache = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
     found = sorted(glob.glob(str(cache / "SmolLM2-135M-Instruct*")))
     if not found:
-        raise FileNotFoundError(f"no SmolLM2-135M-Instruct* under {cache}: run tandem once")
+        from tandem.core.worker.model_files import convert_gguf, embedded_gguf_path
+
+        return str(convert_gguf(embedded_gguf_path()))
     return found[-1]
 
 

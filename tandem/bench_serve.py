@@ -19,6 +19,11 @@ E2E (send to `[DONE]`), output tokens from the usage chunk. A chunk counts by it
 text, as in vLLM's `benchmark_serving`: a token-only model streams empty texts. Bounded: each request has a timeout and
 the whole run a deadline; requests cut off by either count as failed, with the reason. Exit
 status: 0 when every request completed, 1 when any failed or the server could not be used.
+
+Every rate gets prompts no earlier request computed: rate i sends each prompt rotated by
+i + 1 positions (the same tokens or words, the same length, a different first block), so a
+server's prefix cache cannot serve a later rate from an earlier one (or from the warm-up,
+which sends the prompts as they are). `--same-prompts-per-rate` sends them unchanged.
 """
 
 from __future__ import annotations
@@ -171,6 +176,16 @@ async def stream_completion(client: Any, url: str, payload: dict[str, Any]) -> R
     return result
 
 
+def rotated_prompt(prompt: Any, shift: int) -> Any:
+    """`prompt` (token ids, or text split on spaces) rotated left by `shift` positions."""
+    items = prompt.split(" ") if isinstance(prompt, str) else list(prompt)
+    if not items:
+        return prompt
+    shift %= len(items)
+    items = items[shift:] + items[:shift]
+    return " ".join(items) if isinstance(prompt, str) else items
+
+
 def _payload(model: str, spec: RequestSpec, extra: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": model,
@@ -248,6 +263,7 @@ class SweepConfig:
     label: str | None = None
     warmup: int = 1
     extra_body: dict[str, Any] = field(default_factory=dict)
+    fresh_prompts_per_rate: bool = True
 
 
 def _client(config: SweepConfig, connections: int) -> Any:
@@ -282,8 +298,11 @@ async def run_sweep(config: SweepConfig) -> dict[str, Any]:
         for index, rate in enumerate(config.request_rates):
             offsets = arrival_offsets(len(payloads), rate, config.seed + index)
             time_left = deadline - time.perf_counter()
+            sent = payloads
+            if config.fresh_prompts_per_rate:
+                sent = [dict(p, prompt=rotated_prompt(p["prompt"], index + 1)) for p in payloads]
             results, duration = await run_rate(
-                client, url, payloads, offsets, config.max_concurrency, time_left
+                client, url, sent, offsets, config.max_concurrency, time_left
             )
             rates.append(
                 summarize_rate(rate, results, duration, config.slo_ttft_ms, config.slo_tpot_ms)
@@ -320,6 +339,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, default=3600.0, help="seconds for the whole run")
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests before the sweep")
     p.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
+    p.add_argument(
+        "--same-prompts-per-rate",
+        action="store_true",
+        help="send every rate the same prompts (default: rotated per rate, so no rate hits "
+        "the prefix cache an earlier one filled)",
+    )
     p.add_argument("--label", help="name of this run in plots (default: the model)")
     p.add_argument("--out", help="results JSON (default: bench-serve-<label>.json)")
     p.add_argument("--png", help="latency-percentiles plot to write")
@@ -348,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         label=args.label,
         warmup=args.warmup,
         extra_body=json.loads(args.extra_body),
+        fresh_prompts_per_rate=not args.same_prompts_per_rate,
     )
     try:
         results = asyncio.run(run_sweep(config))

@@ -140,6 +140,8 @@ class ParallelConfig(_Section):
     (`os.sched_getaffinity`). With the `inprocess` and `thread` executors the worker lives
     in the caller's process, so this is the whole process's torch thread count.
     `cpu_bind` pins those threads (`core/worker/cpu_affinity.py`; docs/cpu-threads.md).
+    `yield_to_load` lets the count drop while other processes load the machine (at most
+    `worker_num_threads`; not with `cpu_bind`, whose CPU list fixes the count).
     """
 
     executor: Literal["inprocess", "thread", "process", "simulated"] = "inprocess"
@@ -154,6 +156,13 @@ class ParallelConfig(_Section):
         "none",
         description="pin the worker's threads to CPUs: 'none', 'auto' (one CPU each, the "
         "last ones this process may use) or a CPU list like '0-3,8'",
+    )
+    yield_to_load: bool = Field(
+        False,
+        description="run the worker on fewer threads (down to 1) while other processes keep "
+        "this machine's cores busy, and on worker_num_threads again when they stop "
+        "(core/worker/load_governor.py; tandem serve turns it on when its API server shares "
+        "the worker's cores)",
     )
     simulated_device: SimulatedDeviceConfig = Field(default_factory=SimulatedDeviceConfig)
     #: Where the resolved `worker_num_threads` came from, in words (set by `resolve_config`).

@@ -8,6 +8,7 @@ from tandem.config import EngineConfig
 from tandem.core.model_runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 from tandem.core.plugin_manager import TandemPluginManager
 from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.worker.load_governor import LoadGovernor, usable_cores
 from tandem.core.worker.model_loader import load_step_model
 from tandem.core.worker.model_runner import ModelRunner, StepModel
 from tandem.core.worker.threads import set_worker_threads
@@ -33,7 +34,14 @@ class Worker:
             max_num_reqs=config.scheduler.max_num_seqs,
         )
 
+        #: Fewer threads while other processes load the machine (`parallel.yield_to_load`).
+        self.load_governor = load_governor(config) if self.model.device.type == "cpu" else None
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        if self.load_governor is not None:
+            threads = self.load_governor.threads()
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
         self.model_runner.execute_model(scheduler_output)
 
     def sample_tokens(
@@ -42,3 +50,15 @@ class Worker:
         """The step's output; under async scheduling possibly still being copied to the
         host (the engine resolves it with `resolve_output`)."""
         return self.model_runner.sample_tokens(grammar_bitmask)
+
+
+def load_governor(config: EngineConfig) -> LoadGovernor | None:
+    """The worker's `LoadGovernor` when `parallel.yield_to_load` asks for one and the thread
+    count may move (more than one thread, no CPU pinning, a real device)."""
+    parallel = config.parallel
+    threads = parallel.worker_num_threads or 1
+    if not parallel.yield_to_load or threads == 1 or parallel.cpu_bind != "none":
+        return None
+    if parallel.executor == "simulated":
+        return None
+    return LoadGovernor(threads, usable_cores())

@@ -52,7 +52,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.server.budget import BudgetError, omp_environment, plan_budget
+from tandem.server.budget import BudgetError, plan_budget, yield_to_load
 from tandem.server.connection_guard import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
@@ -430,8 +430,9 @@ def run_server(args: argparse.Namespace) -> int:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2
     print(budget.line(), flush=True)
-    os.environ.update(omp_environment(budget))  # the engine cores spawn with it
     overrides = {**_overrides(args), "worker_num_threads": budget.worker_threads}
+    if yield_to_load(budget):
+        overrides["yield_to_load"] = True
     names = args.served_model_name or [args.model or "default"]
     engine = AsyncLLM(
         model=args.model,

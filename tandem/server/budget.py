@@ -13,12 +13,12 @@ Defaults:
 - Otherwise k = max(1, (C - 1) // N): one core stays with the API server (as vLLM-CPU
   keeps one for its front end), where it is a small share of the compute.
 
-OpenMP waiting: when the API server shares the worker's cores, the engine-core processes
-get `OMP_WAIT_POLICY=PASSIVE` (unless `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` is set):
-libgomp's default spins up to 300,000 times at every barrier, so a thread whose partner
-was descheduled by another busy process burns its core. On 2 cores beside other busy
-processes, 2 spinning threads made batch-1 tokens 10-25x slower than 1 thread (512-1008
-vs 39-43 ms); waiting passively, 2 threads were within 1.1-1.3x of 1 thread.
+Sharing: when the API server shares the worker's cores, the engines run with
+`parallel.yield_to_load` (core/worker/load_governor.py): the worker computes on k threads
+while the machine is otherwise quiet and on fewer (down to 1) while other processes keep
+its cores busy. OpenMP keeps its default short spin at barriers: on a quiet 2-core machine
+that is 1.5x faster per token than `OMP_WAIT_POLICY=PASSIVE` (17.6 vs 27.3 ms, SmolLM2
+batch 1 through `AsyncLLM`), and with one thread a descheduled partner cannot stall it.
 
 Fit: the compute threads `1 + N * k` must fit C, except that one engine may share its
 cores with the API server (k <= C, the line says so). A budget that does not fit is an
@@ -76,16 +76,10 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def omp_environment(budget: Budget, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment settings the engine-core processes should get (module docstring):
-    `OMP_WAIT_POLICY=PASSIVE` when the API server shares the worker's cores and the user
-    set neither `OMP_WAIT_POLICY` nor `GOMP_SPINCOUNT`; else nothing."""
-    environ = os.environ if environ is None else environ
-    if not budget.api_server_shares_cores:
-        return {}
-    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
-        return {}
-    return {"OMP_WAIT_POLICY": "PASSIVE"}
+def yield_to_load(budget: Budget) -> bool:
+    """Whether the engines should give threads back while the machine is busy: when the
+    API server shares the worker's cores (module docstring)."""
+    return budget.api_server_shares_cores
 
 
 def default_worker_threads(data_parallel_size: int, cores: int) -> int:

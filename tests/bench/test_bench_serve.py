@@ -284,3 +284,33 @@ def test_serve_compare_targets_cover_tpot_and_saturated_throughput() -> None:
     assert bad["ttft_p50_at_most_vllm_at_every_unsaturated_rate"] is True
     assert bad["tpot_p50_at_most_vllm_at_every_unsaturated_rate"] is False
     assert bad["saturated_throughput_at_least_vllm"] is False
+
+
+def test_each_rate_sends_prompts_no_earlier_request_computed(fake_server, tmp_path) -> None:
+    """Rate i rotates every prompt by i + 1 (same tokens, same length), so a prefix cache
+    filled by the warm-up or an earlier rate serves nothing; the option turns it off."""
+    base_url, seen = fake_server
+    prompts = [[100 + 10 * i + j for j in range(5)] for i in range(3)]
+    workload = _workload(tmp_path, prompts, [2, 2, 2])
+    before = len(seen)
+    _sweep(SweepConfig(base_url, workload, [math.inf, math.inf], warmup=1))
+    bodies = seen[before:]
+    assert bodies[0]["prompt"] == prompts[0]  # the warm-up, as written
+    sent = [sorted(tuple(b["prompt"]) for b in bodies[1 + 3 * k : 4 + 3 * k]) for k in range(2)]
+    for k, rate_prompts in enumerate(sent):
+        expected = sorted(tuple(p[k + 1 :] + p[: k + 1]) for p in prompts)
+        assert rate_prompts == expected
+    first_tokens = [{p[0] for p in rate} for rate in sent] + [{p[0] for p in prompts}]
+    assert not (first_tokens[0] & first_tokens[1]) and not (first_tokens[1] & first_tokens[2])
+    before = len(seen)
+    _sweep(SweepConfig(base_url, workload, [math.inf], warmup=0, fresh_prompts_per_rate=False))
+    assert sorted(b["prompt"] for b in seen[before:]) == sorted(prompts)
+
+
+def test_rotated_prompt_keeps_tokens_words_and_length() -> None:
+    from tandem.bench_serve import rotated_prompt
+
+    assert rotated_prompt([1, 2, 3, 4], 1) == [2, 3, 4, 1]
+    assert rotated_prompt([1, 2, 3], 4) == [2, 3, 1]
+    assert rotated_prompt("a b c", 2) == "c a b"
+    assert rotated_prompt([], 3) == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.server.budget import BudgetError, omp_environment, plan_budget
+from tandem.server.budget import BudgetError, plan_budget, yield_to_load
 
 
 @pytest.mark.parametrize("cores", [1, 2, 3, 4])
@@ -37,9 +37,7 @@ def test_several_engines_still_leave_a_core_to_the_api_server() -> None:
         plan_budget(2, 2, cores=4)
 
 
-def test_shared_cores_make_the_worker_wait_passively_unless_the_user_chose() -> None:
+def test_shared_cores_make_the_worker_yield_to_load() -> None:
     shared, own = plan_budget(1, None, cores=2), plan_budget(1, None, cores=16)
-    assert omp_environment(shared, {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert omp_environment(own, {}) == {}
-    assert omp_environment(shared, {"OMP_WAIT_POLICY": "ACTIVE"}) == {}
-    assert omp_environment(shared, {"GOMP_SPINCOUNT": "10000"}) == {}
+    assert yield_to_load(shared) is True
+    assert yield_to_load(own) is False

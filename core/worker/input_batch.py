@@ -23,11 +23,12 @@ order.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tandem.core.scheduler_output import NewRequestData
+from tandem.core.worker.bad_words import BadWordIndex
 from tandem.core.worker.block_table import BlockTable
 from tandem.core.worker.host_tensors import host_int64
 from tandem.sampling_params import SAMPLING_EPS, SEED_MAX, SamplingParams
@@ -53,6 +54,13 @@ class RequestState:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     eos_token_id: int | None = None
+    #: `sampling_params.bad_words_token_ids` indexed by prefix (None without bad words).
+    bad_words: BadWordIndex | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        words = self.sampling_params.bad_words_token_ids
+        if words:
+            object.__setattr__(self, "bad_words", BadWordIndex(words))
 
     @property
     def has_penalties(self) -> bool:

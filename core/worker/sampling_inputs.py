@@ -33,12 +33,10 @@ def blocked_tokens(
         if not params.ignore_eos and state.eos_token_id is not None:
             blocked.append(state.eos_token_id)
         blocked.extend(params.stop_token_ids)
-    if params.bad_words_token_ids:
-        history = list(token_ids[state.num_prompt_tokens :]) + list(drafts)
-        for word in params.bad_words_token_ids:
-            prefix = word[:-1]
-            if not prefix or history[len(history) - len(prefix) :] == prefix:
-                blocked.append(word[-1])
+    if state.bad_words is not None:
+        # only the last `longest_prefix` tokens of the outputs and drafts can match
+        start = max(state.num_prompt_tokens, len(token_ids) - state.bad_words.longest_prefix)
+        blocked += state.bad_words.blocked([*token_ids[start:], *drafts])
     return blocked
 
 

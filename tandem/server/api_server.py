@@ -212,6 +212,11 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def health() -> Response:
         return Response(status_code=200 if engine.is_healthy() else 503)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's SageMaker-style probe: the same answer as `/health`."""
+        return Response(status_code=200 if engine.is_healthy() else 503)
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         from tandem import __version__

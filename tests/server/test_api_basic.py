@@ -243,6 +243,7 @@ def test_models_health_version_metrics(client: httpx.Client) -> None:
     assert [m["id"] for m in models["data"]] == ["scripted"]
     assert models["data"][0]["max_model_len"] == 1024
     assert client.get("/health").status_code == 200
+    assert client.get("/ping").status_code == 200 and client.post("/ping").status_code == 200
     assert client.get("/version").json()["version"]
     metrics = client.get("/metrics")
     assert metrics.status_code == 200 and "tandem:num_requests_running" in metrics.text

@@ -156,7 +156,7 @@ def test_every_route_needs_the_key(server: ServerProcess, headers: dict[str, str
         for method, path, body in ROUTES:
             r = c.request(method, path, json=body, headers=headers)
             assert_error_body(r, 401)
-        for path in ("/health", "/version", "/metrics"):
+        for path in ("/health", "/version", "/metrics", "/ping"):
             assert c.get(path, headers=headers).status_code == 200, path
 
 

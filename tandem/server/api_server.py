@@ -296,6 +296,15 @@ def _add_metrics(engine: Any, model_name: str, data_parallel_size: int) -> None:
     )
 
 
+def _watch_connections(engine: Any, guard: ConnectionGuard) -> None:
+    """Export the connection guard's closures on `/metrics` (when that module is installed)."""
+    try:
+        from tandem.server.metrics import watch_connection_guard
+    except ImportError:
+        return
+    watch_connection_guard(engine, guard)
+
+
 def _exit_soon(delay_s: float) -> None:
     """Exit the process with status 1 after `delay_s` whatever still runs (a backstop:
     a dead engine must never leave a hanging server)."""
@@ -474,6 +483,7 @@ def run_server(args: argparse.Namespace) -> int:
             header_timeout_s=args.timeout_request_header,
             timeout_keep_alive_s=args.timeout_keep_alive,
         )
+        _watch_connections(engine, app.state.connection_guard)
         status = _run_loop(config, serve_until_dead(_uvicorn_server(config), engine))
     finally:
         engine.shutdown()

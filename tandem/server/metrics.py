@@ -261,6 +261,36 @@ class PrometheusStatLogger:
         return generate_latest(self.registry)
 
 
+class ConnectionGuardCollector:
+    """`tandem:http_connections_closed_total{reason}`: connections the server's guard
+    closed (`tandem.server.connection_guard`): `header_timeout` (headers not complete in
+    time: slowloris) and `over_cap` (the longest-idle one evicted, or a new one refused,
+    at the connection cap). Read from the guard's counters when scraped."""
+
+    def __init__(self, guard: Any) -> None:
+        self.guard = guard
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily(
+            PREFIX + "http_connections_closed",
+            "Connections the server closed: headers too slow, or over the connection cap.",
+            labels=["reason"],
+        )
+        family.add_metric(["header_timeout"], self.guard.closed_idle)
+        family.add_metric(["over_cap"], self.guard.closed_over_cap)
+        yield family
+
+
+def watch_connection_guard(engine: Any, guard: Any) -> None:
+    """Export `guard`'s closures on the `/metrics` of `engine` (its Prometheus logger)."""
+    for logger in getattr(engine, "stat_loggers", ()):
+        if isinstance(logger, PrometheusStatLogger):
+            logger.registry.register(ConnectionGuardCollector(guard))
+            return
+
+
 def render_metrics(engine: Any) -> tuple[bytes, str]:
     """The `/metrics` response for `engine` (an AsyncLLM): (body, content type).
 

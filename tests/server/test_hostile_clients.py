@@ -256,6 +256,8 @@ def test_a_socket_flood_is_survived(server: ServerProcess) -> None:
             assert r.status_code == 200
         # The cap closed the oldest idle sockets; the header deadline the rest.
         assert count_closed(flood, wait_s=30.0) == len(flood)
+    closed = closed_connections(server)
+    assert closed["over_cap"] >= 1 and closed["header_timeout"] >= 1, closed
 
 
 def test_slowloris_connections_are_closed(server: ServerProcess) -> None:
@@ -265,6 +267,19 @@ def test_slowloris_connections_are_closed(server: ServerProcess) -> None:
             assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
             time.sleep(0.5)
         assert count_closed(slow, wait_s=30.0) == len(slow)
+    assert closed_connections(server)["header_timeout"] >= len(slow)
+
+
+def closed_connections(server: ServerProcess) -> dict[str, float]:
+    """`tandem:http_connections_closed_total` by reason, from `/metrics`."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    closed = {}
+    for line in text.splitlines():
+        if line.startswith("tandem:http_connections_closed_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            closed[reason] = float(line.rsplit(" ", 1)[1])
+    assert set(closed) == {"header_timeout", "over_cap"}, text[-2000:]
+    return closed
 
 
 def test_a_request_that_never_sends_its_body_gets_408(server: ServerProcess) -> None:

@@ -24,16 +24,19 @@ def bad_words_token_ids(
 ) -> list[list[int]]:
     """The token sequences to ban for `words`: `given` first, then each word as written and
     with one leading space (vLLM's two variants), each distinct sequence once, in order.
-    Linear in the number of words (a set of tuples remembers what is already there)."""
+    Linear in the number of words (a set of tuples remembers what is already there); the
+    variants are tokenised in one batched call."""
     sequences = [list(ids) for ids in given]
     seen = {tuple(ids) for ids in sequences}
-    for word in words:
-        for variant in (word, " " + word.lstrip()):
-            ids = tokenizer(variant, add_special_tokens=False)["input_ids"]
-            key = tuple(ids)
-            if key and key not in seen:
-                seen.add(key)
-                sequences.append(list(ids))
+    variants = [v for word in words for v in (word, " " + word.lstrip())]
+    if not variants:
+        return sequences
+    # one batched call: a fast tokenizer encodes the batch outside the GIL
+    for ids in tokenizer(variants, add_special_tokens=False)["input_ids"]:
+        key = tuple(ids)
+        if key and key not in seen:
+            seen.add(key)
+            sequences.append(list(ids))
     return sequences
 
 

@@ -239,13 +239,18 @@ class _CountingIds(list):
     __hash__ = None  # type: ignore[assignment]
 
 
-def test_bad_words_tokenising_is_linear() -> None:
-    def tokenizer(text: str, add_special_tokens: bool = False) -> dict[str, Any]:
-        return {"input_ids": _CountingIds([hash(text) % 1000, len(text)])}
+def test_bad_words_tokenising_is_linear_and_batched() -> None:
+    calls: list[int] = []
+
+    def tokenizer(texts: list[str], add_special_tokens: bool = False) -> dict[str, Any]:
+        assert isinstance(texts, list) and not add_special_tokens
+        calls.append(len(texts))
+        return {"input_ids": [_CountingIds([hash(t) % 1000, len(t)]) for t in texts]}
 
     words = [f"w{i}" for i in range(400)]
     _CountingIds.comparisons = 0
     sequences = bad_words_token_ids(tokenizer, words, [[7]])
+    assert calls == [2 * len(words)]  # one batched call: both variants of every word
     # Each word as written and with a leading space, each distinct sequence once, in order.
     expected: list[list[int]] = [[7]]
     for word in words:

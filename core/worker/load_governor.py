@@ -2,7 +2,7 @@
 
 On a machine the worker shares, how many torch threads serve best depends on what else
 runs. Alone, k threads on k cores with OpenMP's default short spin at barriers are fastest
-(a 2-core AVX2 EPYC, SmolLM2 batch 1 through `AsyncLLM`: 17.6 ms/token with 2 spinning
+(a 2-core AMD EPYC with AVX-512, SmolLM2 float32 batch 1 through `AsyncLLM`: 17.6 ms/token with 2 spinning
 threads, 27.3 with 2 threads waiting passively, about 40 with 1). Beside one other busy
 process, two threads lose: a thread whose partner was descheduled waits at every barrier
 (10-25x slower when spinning, 1.1-1.3x slower than 1 thread when passive;

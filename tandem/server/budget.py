@@ -57,7 +57,8 @@ class Budget:
         """The one line `tandem serve` prints at start."""
         n, k = self.data_parallel_size, self.worker_threads
         fits = (
-            f"on {self.cores} cores this process may use: the API server shares the worker's cores"
+            f"on {self.cores} cores this process may use: the API server shares the worker's "
+            "cores, and the worker gives threads back while other processes keep them busy"
             if self.api_server_shares_cores
             else f"<= {self.cores} cores this process may use"
         )

@@ -22,6 +22,7 @@ def test_the_budget_line_says_when_the_api_server_shares_the_worker_cores() -> N
     line = plan_budget(1, None, cores=2).line()
     assert "worker 2 torch threads" in line
     assert "1 + 1*2 = 3 on 2 cores this process may use: the API server shares" in line
+    assert "the worker gives threads back while other processes keep them busy" in line
     assert "1 + 1*1 = 2 <= 2 cores" in plan_budget(1, 1, cores=2).line()
 
 

@@ -12,11 +12,10 @@ a wait policy that is wrong in one of the two cases.
 `LoadGovernor.threads()` is asked before each step. At most every `interval_s` it samples
 how many *other* runnable tasks the machine has: the system's runnable count
 (`/proc/loadavg`, fourth field, numerator) minus the runnable threads
-(`/proc/PID/task/*/stat`, state `R`) of this process, its parent and the parent's other
-children. The worker's spinning threads, the API server of `tandem serve` streaming tokens
-and the other engine cores are the server's own work, not a neighbour's (counting the API
-server as one took a thread away at 1 req/s: TPOT p50 111.6 ms against 56.9 with the
-threads kept, one run each).
+(`/proc/PID/task/*/stat`, state `R`) of this process and its parent. The worker's spinning
+threads and the API server of `tandem serve` streaming tokens are the server's own work, not
+a neighbour's (counting the API server as one took a thread away at 1 req/s: TPOT p50
+111.6 ms against 56.9 with the threads kept, one run each).
 
 The answer is `clamp(cores - others, 1, max_threads)` with `others` the fewest seen over
 the last `window` samples: a neighbour that keeps a core busy all that time (about
@@ -62,16 +61,10 @@ def _runnable_threads(pid: int | str) -> int:
 
 
 def _family() -> set[int]:
-    """This process, its parent and the parent's other children: the API server and the
-    engine cores of one `tandem serve` (their work is the server's own, not a neighbour's)."""
-    me, parent = os.getpid(), os.getppid()
-    family = {me, parent}
-    try:
-        for task in Path(f"/proc/{parent}/task").iterdir():
-            family.update(int(c) for c in (task / "children").read_text().split())
-    except (OSError, ValueError):
-        pass
-    return family
+    """This process and its parent: under `tandem serve`, the engine core and the API server
+    (whose streaming is the server's own work, not a neighbour's). Siblings are not family:
+    busy loops a caller spawned beside its engine are neighbours."""
+    return {os.getpid(), os.getppid()}
 
 
 def runnable_others() -> int | None:

@@ -123,10 +123,3 @@ class LoadGovernor:
         self._threads = threads
         return threads
 
-
-def usable_cores() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity API (macOS, Windows)
-        return os.cpu_count() or 1

@@ -6,7 +6,7 @@ import logging
 import os
 
 from tandem.config import ConfigError, EngineConfig
-from tandem.core.worker.cpu_affinity import cpu_list, pin_threads
+from tandem.core.worker.cpu_affinity import allowed_cpus, cpu_list, pin_threads
 
 logger = logging.getLogger("tandem.config")
 
@@ -21,11 +21,7 @@ def default_worker_threads() -> tuple[int, str]:
         if first.isdigit() and int(first) >= 1:
             return int(first), "OMP_NUM_THREADS"
         logger.warning("OMP_NUM_THREADS=%r is not a positive integer; ignored", env)
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity API (macOS, Windows)
-        cpus = os.cpu_count() or 1
-    return max(1, cpus), "the CPUs this process may use"
+    return max(1, len(allowed_cpus())), "the CPUs this process may use"
 
 
 def resolve_worker_threads(config: EngineConfig) -> None:

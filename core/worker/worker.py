@@ -8,7 +8,8 @@ from tandem.config import EngineConfig
 from tandem.core.model_runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 from tandem.core.plugin_manager import TandemPluginManager
 from tandem.core.scheduler_output import SchedulerOutput
-from tandem.core.worker.load_governor import LoadGovernor, usable_cores
+from tandem.core.worker.cpu_affinity import allowed_cpus
+from tandem.core.worker.load_governor import LoadGovernor
 from tandem.core.worker.model_loader import load_step_model
 from tandem.core.worker.model_runner import ModelRunner, StepModel
 from tandem.core.worker.threads import set_worker_threads
@@ -61,4 +62,4 @@ def load_governor(config: EngineConfig) -> LoadGovernor | None:
         return None
     if parallel.executor == "simulated":
         return None
-    return LoadGovernor(threads, usable_cores())
+    return LoadGovernor(threads, len(allowed_cpus()))

@@ -27,7 +27,6 @@ error naming the flags and the numbers.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 #: Up to this many cores, one engine's worker gets every core by default.
@@ -71,10 +70,9 @@ class Budget:
 
 def usable_cores() -> int:
     """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    from tandem.core.worker.cpu_affinity import allowed_cpus
+
+    return len(allowed_cpus())
 
 
 def yield_to_load(budget: Budget) -> bool:

@@ -122,4 +122,3 @@ class LoadGovernor:
             )
         self._threads = threads
         return threads
-

@@ -51,6 +51,9 @@ class ModelConfig(_Section):
         "holding a generation_config.json",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the model runs: auto = cuda when torch sees a GPU, else cpu"
+    )
     attention: Literal["auto", "torch"] = Field(
         "auto",
         description="auto: float32 decode attention on CPU uses the compiled kernel when a "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from types import MethodType, SimpleNamespace
 
 import pluggy
@@ -37,6 +38,9 @@ def _spec_manager() -> pluggy.PluginManager:
     return manager
 
 
+#: Serialises the checks on the shared manager (stacks may resolve on several threads).
+_SPEC_MANAGER_LOCK = threading.Lock()
+
 #: Stands for an instance when a hook implementation's signature is checked bound.
 _INSTANCE = object()
 
@@ -57,13 +61,18 @@ def signature_errors(cls: type) -> list[str]:
         raw = inspect.getattr_static(cls, hook)
         checked = MethodType(function, _INSTANCE) if inspect.isfunction(raw) else function
         holder = SimpleNamespace(**{hook: checked})
-        try:
-            manager.register(holder, name=f"signature-check:{hook}")
-        except pluggy.PluginValidationError as exc:
-            why = " ".join(str(exc).split("\n")[1:]) or str(exc)
-            errors.append(f"{hook} ({definition_site(function)}): {why}")
-        else:
-            manager.unregister(holder)
+        name = f"signature-check:{hook}"
+        with _SPEC_MANAGER_LOCK:
+            try:
+                manager.register(holder, name=name)
+            except pluggy.PluginValidationError as exc:
+                why = " ".join(str(exc).split("\n")[1:]) or str(exc)
+                errors.append(f"{hook} ({definition_site(function)}): {why}")
+            finally:
+                # pluggy < 1.7 keeps the name of a plugin it refused: drop it either way,
+                # or the next check of this hook fails with "already registered".
+                if manager.get_plugin(name) is not None:
+                    manager.unregister(name=name)
     return errors
 
 

@@ -17,6 +17,24 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+def _suite_default_dtype() -> None:
+    """`TANDEM_TEST_DTYPE` replaces `model.dtype`'s default (`auto`) for the whole suite.
+    Unset, it is float32 on a CUDA machine, where `auto` resolves to bfloat16 (as vLLM's
+    does) while the parity tests compare against float32 references; `auto` keeps the
+    product default."""
+    wanted = os.environ.get("TANDEM_TEST_DTYPE", "float32" if torch.cuda.is_available() else "auto")
+    if wanted == "auto":
+        return
+    from tandem.config import EngineConfig, ModelConfig
+
+    ModelConfig.model_fields["dtype"].default = wanted
+    ModelConfig.model_rebuild(force=True)
+    EngineConfig.model_rebuild(force=True)  # it holds a copy of ModelConfig's schema
+
+
+_suite_default_dtype()
+
+
 def pytest_report_header() -> str:
     """The load average and CPU count at the start: a run's durations (and any bounded
     wait that ran out) read differently on a busy machine."""

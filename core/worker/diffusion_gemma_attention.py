@@ -207,4 +207,5 @@ def grouped_decoder_attention(
     attended = F.scaled_dot_product_attention(
         folded, k_buf, v_buf, attn_mask=valid[:, None, None, :], scale=1.0
     )
-    return attended.view(rows, heads, length, dim).transpose(1, 2)
+    # reshape, not view: CUDA's SDPA kernels may return their output in another layout
+    return attended.reshape(rows, heads, length, dim).transpose(1, 2)

@@ -55,13 +55,11 @@ def generation_defaults(model_dir: Path, canvas_length: int) -> DiffusionConfig:
     )
 
 
-def _device_and_dtype(dtype_name: str) -> tuple[Any, Any]:
-    import torch
+def _device_and_dtype(model: Any) -> tuple[Any, Any]:
+    from tandem.core.worker.model_dtype import resolve_device, resolve_dtype
 
-    from tandem.core.worker.hf_model import resolve_dtype
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return device, resolve_dtype(dtype_name, device)
+    device = resolve_device(model.device)
+    return device, resolve_dtype(model.dtype, device)
 
 
 class DiffusionGemmaLoader:
@@ -102,7 +100,7 @@ class DiffusionGemmaLoader:
         if model.max_model_len is None:
             model.max_model_len = int(text.max_position_embeddings)
         if config.cache.num_kv_blocks is None:
-            _, dtype = _device_and_dtype(model.dtype)
+            _, dtype = _device_and_dtype(model)
             per_block = kv_bytes_per_token(hf, dtype) * config.cache.block_size
             budget = int(config.cache.kv_cache_memory_gib * (1 << 30))
             config.cache.num_kv_blocks = max(1, budget // per_block)
@@ -117,7 +115,7 @@ class DiffusionGemmaLoader:
         from tandem.core.worker.diffusion_gemma import DiffusionGemmaModel
 
         assert config.cache.num_kv_blocks is not None
-        device, dtype = _device_and_dtype(config.model.dtype)
+        device, dtype = _device_and_dtype(config.model)
         return DiffusionGemmaModel(
             model_dir=Path(config.model.model),
             dtype=dtype,

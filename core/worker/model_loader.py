@@ -110,9 +110,12 @@ class HFModelLoader:
     def resolve_limits(cls, config: EngineConfig) -> None:
         """Vocabulary, EOS, max_model_len and the KV pool size from the model's files; the
         model path becomes its resolved directory."""
-        import torch
 
-        from tandem.core.worker.model_dtype import kv_bytes_per_token, resolve_dtype
+        from tandem.core.worker.model_dtype import (
+            kv_bytes_per_token,
+            resolve_device,
+            resolve_dtype,
+        )
         from tandem.core.worker.model_files import load_hf_config, resolve_model_dir
 
         model = config.model
@@ -126,7 +129,7 @@ class HFModelLoader:
         if model.max_model_len is None:
             model.max_model_len = int(getattr(hf, "max_position_embeddings", 2048))
         if config.cache.num_kv_blocks is None:
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            device = resolve_device(model.device)
             per_token = kv_bytes_per_token(hf, resolve_dtype(model.dtype, device))
             budget = int(config.cache.kv_cache_memory_gib * (1 << 30))
             config.cache.num_kv_blocks = max(1, budget // (per_token * config.cache.block_size))
@@ -139,10 +142,10 @@ class HFModelLoader:
 
         from tandem.core.worker.cpu_kernels import paged_decode_kernel
         from tandem.core.worker.hf_model import HFStepModel
-        from tandem.core.worker.model_dtype import resolve_dtype
+        from tandem.core.worker.model_dtype import resolve_device, resolve_dtype
         from tandem.core.worker.model_files import resolve_model_dir
 
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, device)
         # The decode kernel reads float32 and bfloat16 pools (issue 16 item 3).
         use_kernel = (

@@ -51,7 +51,9 @@ def engine(path: Path, **overrides: Any) -> EngineCore:
     base = EngineConfig.model_validate(
         {"diffusion": {**SCHEDULE, **overrides.pop("diffusion", {})}}
     )
-    settings = {"model": str(path), "block_size": 4, "max_model_len": 64}
+    # On the CPU everywhere: the reference replays the engine's keyed draws on CPU generators,
+    # and a CUDA generator draws a different stream from the same seed.
+    settings = {"model": str(path), "device": "cpu", "block_size": 4, "max_model_len": 64}
     return EngineCore(resolve_config(load_config(base, **{**settings, **overrides})))
 
 
@@ -187,7 +189,9 @@ def test_llm_on_a_directory_picks_the_diffusion_stack_by_itself(
     checkpoint: Path, hf_model: Any
 ) -> None:
     assert model_loader_for(str(checkpoint)) is DiffusionGemmaLoader
-    llm = LLM(model=str(checkpoint), block_size=4, max_model_len=64, diffusion=SCHEDULE)
+    llm = LLM(
+        model=str(checkpoint), device="cpu", block_size=4, max_model_len=64, diffusion=SCHEDULE
+    )
     try:
         names = [spec.name for spec in llm.config.resolved_stack or []]
         assert "diffusion-scheduler" in names and "diffusion-sampler" in names

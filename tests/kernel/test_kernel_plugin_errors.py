@@ -23,6 +23,7 @@ from tandem.core.plugin_manager import PluginConfigError, PluginStartError, Tand
 from tandem.core.request import Request
 from tandem.core.waiting_queue import WaitingQueue
 from tandem.plugins.request_queue import FCFSQueue
+from tandem.stack_checks import _spec_manager, signature_errors
 from tandem.stack_file import load_config
 from tandem.testing import make_request, make_scripted_engine
 
@@ -177,6 +178,15 @@ def test_a_misnamed_hook_argument_fails_at_resolution_with_file_and_line() -> No
     assert "plugins[1]" in message and "MisnamedArgument" in message
     assert "select_preemption_victim" in message and "needed" in message
     assert _line_of(MisnamedArgument.select_preemption_victim) in message
+
+
+def test_a_refused_signature_leaves_the_check_clean_for_the_next_stack() -> None:
+    """pluggy < 1.7 keeps the name of a plugin whose registration it refused; the check
+    must drop it, or every later stack implementing that hook fails "already registered"."""
+    assert signature_errors(MisnamedArgument)
+    assert _spec_manager().list_name_plugin() == []
+    assert signature_errors(VictimA) == []
+    resolve_config(load_config(None, model="scripted", plugins=_stack(VictimA)))
 
 
 @pytest.mark.parametrize(

@@ -103,11 +103,18 @@ class CheckingKernel:
         self.kernel = kernel
         self.calls = 0
         self.worst = 0.0
+        self.worst_beyond_a_bf16_step = 0.0
 
     def __call__(self, q, k_pool, v_pool, tables, lens, scale):  # noqa: ANN001, ANN204
         out = self.kernel(q, k_pool, v_pool, tables, lens, scale)
         want = reference(q.float(), k_pool, v_pool, tables, lens, scale).to(out.dtype)
-        self.worst = max(self.worst, float((out.float() - want.float()).abs().max()))
+        diff = (out.float() - want.float()).abs()
+        self.worst = max(self.worst, float(diff.max()))
+        # beyond one bf16 step of the value (2**-7 relative): a rounding that lands on the
+        # other side of a bf16 boundary differs by exactly one step, on any CPU
+        self.worst_beyond_a_bf16_step = max(
+            self.worst_beyond_a_bf16_step, float((diff - 2**-7 * want.float().abs()).max())
+        )
         self.calls += 1
         return out
 
@@ -211,6 +218,7 @@ def test_bf16_engine_end_to_end(tiny_models: dict[str, Path]) -> None:
     llm = LLM(
         model=str(tiny_models["llama"]),
         dtype="bfloat16",
+        device="cpu",
         max_model_len=128,
         num_kv_blocks=48,
         block_size=BLOCK,
@@ -231,13 +239,19 @@ def test_bf16_engine_end_to_end(tiny_models: dict[str, Path]) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outs] == [12] * 4
-        assert checking.calls > 0 and checking.worst < 1e-4
+        assert checking.calls > 0 and checking.worst_beyond_a_bf16_step < 1e-5
     finally:
         llm.engine.shutdown()
 
 
 def test_auto_on_cpu_stays_float32(tiny_models: dict[str, Path]) -> None:
-    llm = LLM(model=str(tiny_models["llama"]), max_model_len=64, num_kv_blocks=16, block_size=4)
+    llm = LLM(
+        model=str(tiny_models["llama"]),
+        device="cpu",
+        max_model_len=64,
+        num_kv_blocks=16,
+        block_size=4,
+    )
     try:
         model = llm.engine.executor.worker.model
         assert all(k.dtype == torch.float32 for k, _ in model.kv_caches)

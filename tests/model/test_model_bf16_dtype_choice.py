@@ -1,15 +1,20 @@
-"""dtype resolution on CPU: auto never picks bfloat16; an explicit bfloat16 without bf16
-units is kept (the user asked) but logged once as emulated."""
+"""Device and dtype resolution: auto never picks bfloat16 on CPU; an explicit bfloat16
+without bf16 units is kept (the user asked) but logged once as emulated; `model.device`
+picks where the model runs and refuses cuda without a GPU."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
 
+from tandem import LLM
+from tandem.config import ConfigError
 from tandem.core.worker import cpu_features
 from tandem.core.worker.hf_model import resolve_dtype
+from tandem.core.worker.model_dtype import resolve_device
 
 CPU = torch.device("cpu")
 
@@ -41,3 +46,25 @@ def test_explicit_bf16_logs_once_when_emulated(
     if not units:
         assert "model.dtype" in emulated[0].getMessage()
     cpu_features.warn_if_bf16_emulated.cache_clear()
+
+
+def test_device_auto_follows_torch_and_cpu_is_always_there() -> None:
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    assert resolve_device("cpu").type == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_cuda_without_a_gpu_is_refused_naming_the_setting(tiny_models: dict[str, Path]) -> None:
+    with pytest.raises(ConfigError, match=r"model\.device: cuda"):
+        LLM(model=str(tiny_models["llama"]), device="cuda", max_model_len=32)
+
+
+def test_device_cpu_keeps_the_model_on_the_cpu(tiny_models: dict[str, Path]) -> None:
+    llm = LLM(model=str(tiny_models["llama"]), device="cpu", max_model_len=32, num_kv_blocks=8)
+    try:
+        model = llm.engine.executor.worker.model
+        assert model.device.type == "cpu"
+        assert all(k.device.type == "cpu" and k.dtype is torch.float32 for k, _ in model.kv_caches)
+    finally:
+        llm.engine.shutdown()

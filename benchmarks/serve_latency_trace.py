@@ -6,7 +6,8 @@
 
 Per variant (a `tandem serve` started with FLAGS, which may begin with `KEY=VALUE`
 environment settings as `env` takes them; default: one variant, `default`, with no flags): start the server on 127.0.0.1, send `--requests` rounds of `--concurrency`
-streaming completions (1: one after another, batch 1), read each SSE event as it arrives,
+streaming completions (1: one after another, batch 1; every request's prompt is the same
+tokens rotated differently, so none hits the prefix cache), read each SSE event as it arrives,
 stop the server. Per request: TTFT, TPOT and ITL as `tandem bench serve` measures them;
 per process (API server, engine core) the CPU seconds it used while the requests ran,
 divided by the tokens streamed (from /proc/PID/stat: a process that spins or polls shows
@@ -45,9 +46,12 @@ ROOT = Path(__file__).resolve().parent.parent
 QUIET_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def prompt_ids(n: int) -> list[int]:
-    """`n` ordinary token ids (deterministic)."""
-    return [100 + (i * 7919) % 30000 for i in range(n)]
+def prompt_ids(n: int, rotation: int = 0) -> list[int]:
+    """`n` ordinary token ids (deterministic), rotated left by `rotation`: the same tokens
+    with a different first block, so no request hits another's prefix cache."""
+    ids = [100 + (i * 7919) % 30000 for i in range(n)]
+    k = rotation % n
+    return ids[k:] + ids[:k]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -109,8 +113,11 @@ async def timed_requests(
             raise RuntimeError(f"warm-up failed: {warm.error}")
         results = []
         url = f"{base}/v1/completions"
-        for _ in range(count):
-            batch = [stream_completion(client, url, payload) for _ in range(concurrency)]
+        for i in range(count):
+            batch = [
+                stream_completion(client, url, {**payload, "prompt": prompt[k:] + prompt[:k]})
+                for k in range(1 + i * concurrency, 1 + (i + 1) * concurrency)
+            ]
             for r in await asyncio.gather(*batch):
                 if not r.ok:
                     raise RuntimeError(f"request failed: {r.error}")
@@ -205,8 +212,8 @@ prompt = [100 + (i * 7919) % 30000 for i in range(n)]
 params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
 runs = []
-for _ in range(count):
-    out = llm.generate([prompt], params, use_tqdm=False)[0]
+for k in range(1, count + 1):  # rotated: no prefix-cache hits (see prompt_ids)
+    out = llm.generate([prompt[k:] + prompt[:k]], params, use_tqdm=False)[0]
     m = out.metrics
     runs.append({"ttft_ms": (m.first_token_time - m.arrival_time) * 1000,
                  "tpot_ms": (m.finished_time - m.first_token_time) * 1000 / (max_tokens - 1)})

@@ -5,7 +5,10 @@ the 6x16 AVX2 tile of `csrc/panel_gemm.cpp`) when its kernel builds, else None a
 caller keeps oneDNN (`PackedLinear`). Measured with `python benchmarks/panel_linear.py`
 on a 2-core AVX2 EPYC, two threads, against oneDNN prepacked: 1.1-1.6x at 1 row, 1.1-1.6x
 at 16, 1.05-1.33x at 64 on the layer shapes (the LM head 0.97-1.03), 0.93-1.10 at 512 and
-2048 rows. `TANDEM_F32_LINEAR=onednn` keeps oneDNN everywhere (for A/B runs).
+2048 rows. On a 2-core AVX-512 EPYC (the kernel's wide zmm tile): 1.57-1.77x at 1 row,
+1.01-1.08x at 16, 0.83-1.02x at 64, 0.82-0.97x at 256: the panel stays the choice there
+for its decode advantage (one copy of each weight: no per-row-count switch).
+`TANDEM_F32_LINEAR=onednn` keeps oneDNN everywhere (for A/B runs).
 
 bfloat16 weights (`cpu_bf16_linear`):
 

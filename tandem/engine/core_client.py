@@ -111,6 +111,21 @@ class EngineCoreClient:
                     )
 
     def _read_loop(self) -> None:
+        """Deliver every engine core's messages and report each one's death, until closed.
+        If the reader itself fails, every engine core is reported dead (so the streams in
+        flight fail and the engine restarts): a dead reader must never leave them waiting."""
+        try:
+            self._read_until_closed()
+        except Exception as exc:
+            if self._closing.is_set():
+                return
+            logger.exception("the reader of engine-core messages failed")
+            for index in range(len(self.processes)):
+                self._on_death(
+                    index, f"the reader of engine core {index}'s messages failed: {exc!r}"
+                )
+
+    def _read_until_closed(self) -> None:
         sentinels = {p.sentinel: i for i, p in enumerate(self.processes)}
         while not self._closing.is_set():
             try:

@@ -123,19 +123,25 @@ def test_duplicate_labels_in_flight_each_get_their_own_output(engine) -> None:
 
 def test_abort_by_label_ends_every_request_under_it_and_no_other(engine) -> None:
     async def main() -> None:
-        async def consume(rid: str, prompt: list[int]) -> list[RequestOutput] | str:
+        started = [asyncio.Event() for _ in range(2)]
+
+        async def consume(i: int) -> list[RequestOutput] | str:
+            outs: list[RequestOutput] = []
             try:
-                return await run(engine, prompt, params(300), rid)
+                async for out in engine.generate(nonce_prompt(400 + i), params(300), "x"):
+                    outs.append(out)
+                    started[i].set()
+                return outs
             except asyncio.CancelledError as exc:
                 if "aborted" in str(exc):
                     return "aborted"
                 raise
 
-        doomed = [asyncio.ensure_future(consume("x", nonce_prompt(400 + i))) for i in range(2)]
+        doomed = [asyncio.ensure_future(consume(i)) for i in range(2)]
         other_prompt = nonce_prompt(410)
         other = asyncio.ensure_future(run(engine, other_prompt, params(12), "y"))
-        while engine.num_unfinished() < 3:
-            await asyncio.sleep(0.01)
+        # both doomed requests in flight (the short one may already have finished)
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), HANG_S)
         await engine.abort("x")
         assert await asyncio.wait_for(asyncio.gather(*doomed), HANG_S) == ["aborted"] * 2
         outs = await other

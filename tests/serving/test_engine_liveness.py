@@ -104,6 +104,41 @@ def test_a_killed_engine_core_is_restarted_until_the_bound() -> None:
         engine.shutdown()
 
 
+class _FailingSocket:
+    """The client's output socket, except that `poll` raises what no ZMQ socket would."""
+
+    def __init__(self, socket: object) -> None:
+        self._socket = socket
+
+    def poll(self, *args: object, **kwargs: object) -> int:
+        raise RuntimeError("reader state lost")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._socket, name)
+
+
+def test_a_failed_reader_fails_the_streams_and_restarts_the_engine() -> None:
+    """A reader thread that dies of an unexpected error must not leave streams waiting for
+    outputs that will never be delivered: it reports every engine core dead."""
+    engine = AsyncLLM(model="scripted", worker_num_threads=1, max_engine_restarts=1)
+
+    async def main() -> None:
+        long = engine.max_model_len - len(PROMPT)
+        stream = engine.generate(PROMPT, greedy(long), "doomed")
+        first = await asyncio.wait_for(anext(stream), WAIT_S)
+        assert first.outputs[0].token_ids
+        engine.client.output = _FailingSocket(engine.client.output)
+        with pytest.raises(EngineDeadError, match="reader"):
+            await asyncio.wait_for(_drain(stream), WAIT_S)
+        assert await tokens_of(engine, "next", 6) == expected(engine, 6)
+        assert engine.restarts == 1 and engine.is_healthy()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
 async def _drain(stream) -> None:  # noqa: ANN001
     async for _ in stream:
         pass

@@ -16,7 +16,9 @@
 // accumulators).
 //
 // Work: a 6-row x 16-column register tile (12 ymm accumulators, two 8-float weight vectors
-// per k) streams one panel's k range. Panels are split between threads in dynamically
+// per k) streams one panel's k range; with AVX-512, float32 weights take a 6-row x 48-column
+// tile over three panels at once (`tile_f32_wide`, x packed once per product) wherever six
+// rows fill it. Panels are split between threads in dynamically
 // scheduled chunks (rows too when there are fewer panels than threads). Rows are blocked by
 // kRowBlock (the x block stays in L2 while the thread's panels pass over it); k only when
 // very large (a panel and a tile's x rows stay in L2: L2 bandwidth covers the ~10
@@ -27,11 +29,19 @@
 #include <cstdint>
 #include <cstring>
 
+#include <type_traits>
+#include <vector>
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define TANDEM_PANEL_AVX2 1
 #else
 #define TANDEM_PANEL_AVX2 0
+#endif
+#if TANDEM_PANEL_AVX2 && defined(__AVX512F__)
+#define TANDEM_PANEL_AVX512 1
+#else
+#define TANDEM_PANEL_AVX512 0
 #endif
 
 namespace {
@@ -103,6 +113,9 @@ struct Gemm {
   const float* bias;
   float* y;
   int64_t ldy, m, n, k;
+  // float32 weights with AVX-512: x's full six-row tiles packed k-major (`pack_x_tiles`),
+  // tile t at `xt + t * 6 * k`; null when the wide tile is not used
+  const float* xt = nullptr;
 };
 
 // The 16 starting values of a tile row's columns n0..n0+15 (bias, zero or partial sums);
@@ -207,6 +220,71 @@ void tile_avx2(const Gemm<W>& g, int64_t m0, int64_t panel, int64_t k0, int64_t 
 }
 #endif
 
+#if TANDEM_PANEL_AVX512
+constexpr int64_t kWidePanels = 3;  // panels per wide tile (48 columns)
+
+// Wide tile (AVX-512, float32 weights only): 6 rows x kWidePanels panels, one zmm
+// accumulator per (row, panel), 18 in all. Per k, 3 weight loads and 6 broadcasts feed 18
+// 16-wide FMAs (the AVX2 tile: 8 loads for 12 8-wide FMAs), which is what limits the AVX2
+// tile once rows fill it (prefill and large batches). It reads the tile's six x rows packed
+// k-major (`Gemm::xt`): one pointer instead of six. Four panels (24 accumulators) made GCC
+// spill accumulators to the stack inside the k loop. Same per-element arithmetic (one
+// float32 FMA chain over k).
+void tile_f32_wide(const Gemm<F32>& g, int64_t m0, int64_t panel0, int64_t k0, int64_t k1,
+                   bool first) {
+  const float* xt = g.xt + (m0 / kTileRows) * kTileRows * g.k + k0 * kTileRows;
+  constexpr int MR = static_cast<int>(kTileRows);
+  constexpr int NP = static_cast<int>(kWidePanels);
+  __m512 acc[MR][NP];
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) {
+      alignas(64) float start[kPanel];
+      load_row(g, m0 + i, (panel0 + p) * kPanel, first, start);
+      acc[i][p] = _mm512_load_ps(start);
+    }
+  }
+  const int64_t stride = g.k * kPanel;  // floats from one panel to the next
+  const float* w = g.w + panel0 * stride + k0 * kPanel;
+  const int64_t depth = k1 - k0;
+  for (int64_t kk = 0; kk < depth; ++kk, w += kPanel, xt += MR) {
+    __m512 wv[NP];
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_ps(w + p * stride);
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_set1_ps(xt[i]);
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_fmadd_ps(xv, wv[p], acc[i][p]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) {
+      alignas(64) float out[kPanel];
+      _mm512_store_ps(out, acc[i][p]);
+      store_row(g, m0 + i, (panel0 + p) * kPanel, out);
+    }
+  }
+}
+
+// x's full six-row tiles, each k-major (`out[t * 6 * k + kk * 6 + i]` = x[t * 6 + i][kk]),
+// split between `threads`.
+void pack_x_tiles(const float* x, int64_t ldx, int64_t tiles, int64_t k, float* out,
+                  int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t t = 0; t < tiles; ++t) {
+    float* dst = out + t * kTileRows * k;
+    for (int64_t i = 0; i < kTileRows; ++i) {
+      const float* src = x + (t * kTileRows + i) * ldx;
+      for (int64_t kk = 0; kk < k; ++kk) dst[kk * kTileRows + i] = src[kk];
+    }
+  }
+}
+#endif
+
 template <typename W>
 using TileFn = void (*)(const Gemm<W>&, int64_t, int64_t, int64_t, int64_t, bool);
 
@@ -244,11 +322,33 @@ void run_item(const Gemm<W>& g, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
     const int64_t me = std::min(mb + kRowBlock, r1);
     for (int64_t kb = 0; kb < g.k || kb == 0; kb += depth) {
       const int64_t ke = std::min(kb + depth, g.k);
-      for (int64_t p = p0; p < p1; ++p) {
+#if TANDEM_PANEL_AVX512
+      // float32 weights with packed x: groups of kWidePanels panels take the wide tile over
+      // the block's full six-row tiles, the last partial tile and leftover panels the
+      // narrow one (tiles start at multiples of six: row blocks and row splits do)
+      if constexpr (std::is_same_v<W, F32>) {
+        if (g.xt != nullptr && !portable) {
+          const int64_t full_end = mb + (me - mb) / kTileRows * kTileRows;
+          int64_t p = p0;
+          for (; p + kWidePanels <= p1; p += kWidePanels) {
+            for (int64_t m = mb; m < full_end; m += kTileRows)
+              tile_f32_wide(g, m, p, kb, ke, kb == 0);
+            for (int64_t q = p; full_end < me && q < p + kWidePanels; ++q)
+              pick_tile<W>(me - full_end, portable)(g, full_end, q, kb, ke, kb == 0);
+          }
+          for (; p < p1; ++p)
+            for (int64_t m = mb; m < me; m += kTileRows)
+              pick_tile<W>(std::min(kTileRows, me - m), portable)(g, m, p, kb, ke, kb == 0);
+          continue;
+        }
+      }
+#endif
+      for (int64_t p = p0; p < p1;) {
         for (int64_t m = mb; m < me; m += kTileRows) {
           const int64_t rows = std::min(kTileRows, me - m);
           pick_tile<W>(rows, portable)(g, m, p, kb, ke, kb == 0);
         }
+        ++p;
       }
     }
   }
@@ -261,13 +361,30 @@ void run_item(const Gemm<W>& g, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
 constexpr int64_t kChunksPerThread = 4;
 
 template <typename W>
-void run(const Gemm<W>& g, int threads, bool portable) {
+void run(Gemm<W> g, int threads, bool portable) {
   const int64_t panels = (g.n + kPanel - 1) / kPanel;
   const int64_t tiles = (g.m + kTileRows - 1) / kTileRows;
   if (g.m <= 0 || panels <= 0) return;
   const int64_t want = std::max(threads, 1);
-  const int64_t row_parts = std::min(tiles, (want + panels - 1) / panels);
-  const int64_t cols = want == 1 ? 1 : std::min(panels, want * kChunksPerThread);
+  // Chunks of whole wide groups where the wide tile runs (a chunk's leftover panels would
+  // take the narrow tile)
+  int64_t unit = 1;
+#if TANDEM_PANEL_AVX512
+  thread_local std::vector<float> x_tiles;
+  if constexpr (std::is_same_v<W, F32>) {
+    const int64_t full_tiles = g.m / kTileRows;
+    if (!portable && full_tiles > 0 && panels >= kWidePanels) {
+      x_tiles.resize(static_cast<size_t>(full_tiles * kTileRows * g.k));
+      pack_x_tiles(g.x, g.ldx, full_tiles, g.k, x_tiles.data(),
+                   static_cast<int>(std::min(want, full_tiles)));
+      g.xt = x_tiles.data();
+      unit = kWidePanels;
+    }
+  }
+#endif
+  const int64_t groups = (panels + unit - 1) / unit;
+  const int64_t row_parts = std::min(tiles, (want + groups - 1) / groups);
+  const int64_t cols = want == 1 ? 1 : std::min(groups, want * kChunksPerThread);
   const int64_t items = cols * row_parts;
   const int workers = static_cast<int>(std::min(items, want));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(workers) if (workers > 1)
@@ -276,7 +393,9 @@ void run(const Gemm<W>& g, int threads, bool portable) {
     const int64_t r = item / cols;
     const int64_t r0 = std::min(g.m, tiles * r / row_parts * kTileRows);
     const int64_t r1 = std::min(g.m, tiles * (r + 1) / row_parts * kTileRows);
-    run_item(g, r0, r1, panels * c / cols, panels * (c + 1) / cols, portable);
+    const int64_t p0 = std::min(panels, groups * c / cols * unit);
+    const int64_t p1 = std::min(panels, groups * (c + 1) / cols * unit);
+    run_item(g, r0, r1, p0, p1, portable);
   }
 }
 

@@ -54,7 +54,10 @@ def test_device_auto_follows_torch_and_cpu_is_always_there() -> None:
     assert resolve_device("cpu").type == "cpu"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="a GPU is present here, so device=cuda is valid and there is no refusal to check",
+)
 def test_cuda_without_a_gpu_is_refused_naming_the_setting(tiny_models: dict[str, Path]) -> None:
     with pytest.raises(ConfigError, match=r"model\.device: cuda"):
         LLM(model=str(tiny_models["llama"]), device="cuda", max_model_len=32)

@@ -26,7 +26,7 @@ from typing import Any
 from tandem.core.messages import ExecuteModel, FromWorker, ToWorker, WorkerReply, decoder, encode
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 
 OUT = Path(__file__).resolve().parent / "results" / "messages.json"
 BATCH = 64

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from tandem.core.worker.cpu_features import has_bf16_units
-from tandem.core.worker.cpu_kernels import paged_decode_kernel
-from tandem.core.worker.hf_model import HFStepModel
-from tandem.core.worker.model_files import resolve_model_dir
 from tandem.llm import LLM
-from tandem.sampling_params import SamplingParams
+from tandem.models.cpu_features import has_bf16_units
+from tandem.models.cpu_kernels import paged_decode_kernel
+from tandem.models.hf_model import HFStepModel
+from tandem.models.model_files import resolve_model_dir
+from tandem.schema.sampling_params import SamplingParams
 from tandem.testing.teacher_forcing import teacher_forced_top1
 
 ROOT = Path(__file__).resolve().parent

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.core.worker.cpu_kernels import paged_decode_kernel
-from tandem.core.worker.paged_attention import build_metadata, paged_attention
+from tandem.models.cpu_kernels import paged_decode_kernel
+from tandem.models.paged_attention import build_metadata, paged_attention
 
 LAYERS, REQUESTS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 64, 9, 3, 64, 16
 

@@ -265,7 +265,7 @@ def profile_batch(
     """Where one run's time goes on each side (see `profile`): tandem's forwards are
     `DiffusionGemmaModel.encode` / `denoise`; transformers' the encoder's and the
     decoder's (`DiffusionGemmaForBlockDiffusion.forward`) forward calls."""
-    from tandem.core.worker.diffusion_gemma import DiffusionGemmaModel
+    from tandem.models.diffusion_gemma import DiffusionGemmaModel
 
     ours = [DiffusionGemmaModel.encode, DiffusionGemmaModel.denoise]
     theirs = [type(hf).forward, type(hf.model.encoder).forward]

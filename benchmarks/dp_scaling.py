@@ -49,7 +49,7 @@ def run_offline(threads: int, workload: str, limit: int | None) -> float:
 
 def run_async(dp: int, threads: int, workload: str, limit: int | None) -> float:
     from tandem.engine import AsyncLLM
-    from tandem.sampling_params import RequestOutputKind, SamplingParams
+    from tandem.schema.sampling_params import RequestOutputKind, SamplingParams
 
     requests = _requests(workload, limit)
     engine = AsyncLLM(

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tandem.core.worker.decoder_elementwise import (
+from tandem.models.decoder_elementwise import (
     Elementwise,
     FusedElementwise,
     TorchElementwise,
 )
-from tandem.core.worker.fused_ops import fused_ops
+from tandem.models.fused_ops import fused_ops
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, DIM, INTER, EPS = 30, 576, 9, 3, 64, 1536, 1e-5
 

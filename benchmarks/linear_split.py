@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tandem.core.worker.packed_linear import PackedLinear
-from tandem.core.worker.split_linear import split_linear
+from tandem.models.packed_linear import PackedLinear
+from tandem.models.split_linear import split_linear
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 LM_HEAD = (49152, 576)

@@ -57,7 +57,7 @@ MAX_TOKENS = 256
 
 
 def main() -> None:
-    from tandem.core.worker.model_files import load_tokenizer, resolve_model_dir
+    from tandem.models.model_files import load_tokenizer, resolve_model_dir
 
     tokenizer = load_tokenizer(resolve_model_dir("default"))
     requests = []

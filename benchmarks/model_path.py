@@ -18,7 +18,7 @@ from unittest import mock
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.core.worker.hf_model import HFStepModel
+from tandem.models.hf_model import HFStepModel
 
 ROOT = Path(__file__).resolve().parent
 

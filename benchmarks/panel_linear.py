@@ -1,4 +1,4 @@
-"""The panel GEMM (`core/worker/panel_linear.py`) against oneDNN, per weight format.
+"""The panel GEMM (`models/panel_linear.py`) against oneDNN, per weight format.
 
 - `--weights float32`: `F32PanelLinear` vs fp32 `PackedLinear` (oneDNN prepacked), the
   choice `linear_choice.cpu_f32_linear` makes. Default rows 1, 16, 64, 256.
@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tandem.core.worker.cpu_features import cpu_flags
-from tandem.core.worker.packed_linear import PackedLinear
-from tandem.core.worker.panel_linear import Bf16Linear, F32PanelLinear, panel_gemm_kernel
+from tandem.models.cpu_features import cpu_flags
+from tandem.models.packed_linear import PackedLinear
+from tandem.models.panel_linear import Bf16Linear, F32PanelLinear, panel_gemm_kernel
 
 SHAPES = {  # name: (out_features, in_features)
     "qkv": (960, 576),

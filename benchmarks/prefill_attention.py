@@ -40,8 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine_roofline  # noqa: E402
 
-import tandem.core.worker.paged_attention as pa  # noqa: E402
-from tandem.core.worker.cpu_kernels import PagedDecodeKernel  # noqa: E402
+import tandem.models.paged_attention as pa  # noqa: E402
+from tandem.models.cpu_kernels import PagedDecodeKernel  # noqa: E402
 
 Q_HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 8
 CHUNKS, PREFIXES = (128, 512, 1024, 2048), (0, 512, 1024)

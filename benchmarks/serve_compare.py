@@ -103,7 +103,7 @@ def model_dir(model: str) -> str:
     cache = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
     found = sorted(glob.glob(str(cache / "SmolLM2-135M-Instruct*")))
     if not found:
-        from tandem.core.worker.model_files import convert_gguf, embedded_gguf_path
+        from tandem.models.model_files import convert_gguf, embedded_gguf_path
 
         return str(convert_gguf(embedded_gguf_path()))
     return found[-1]
@@ -260,7 +260,7 @@ def offline_once(name: str, workload_file: str, args: argparse.Namespace, setup:
 
 def _setup(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.bench import load_workload
-    from tandem.config import SchedulerConfig
+    from tandem.schema.config import SchedulerConfig
 
     workload = load_workload(args.workload)
     longest = max(

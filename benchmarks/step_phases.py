@@ -224,12 +224,12 @@ def _wrap_hf_model(clock: PhaseClock, p: _Patches, model: Any) -> None:
     """The real model's forward: linears, attention (KV write, decode kernel), LM head,
     attention metadata; what is left of the forward is `forward_other` (embedding, norms,
     RoPE, activations, residual adds, the logits' gather and copy)."""
-    import tandem.core.worker.cpu_kernels as cpu_kernels
-    import tandem.core.worker.fused_decoder as fused_decoder
-    import tandem.core.worker.hf_model as hf_model
-    import tandem.core.worker.packed_linear as packed_linear
-    import tandem.core.worker.paged_attention as paged_attention
-    import tandem.core.worker.panel_linear as panel_linear
+    import tandem.models.cpu_kernels as cpu_kernels
+    import tandem.models.fused_decoder as fused_decoder
+    import tandem.models.hf_model as hf_model
+    import tandem.models.packed_linear as packed_linear
+    import tandem.models.paged_attention as paged_attention
+    import tandem.models.panel_linear as panel_linear
 
     head = model.lm_head
     head_call = type(head).__call__  # before the classes' calls are wrapped below

@@ -81,11 +81,11 @@ def documents() -> list[str]:
 
 def bitmask_benchmark(backend: str, num_requests: int) -> dict[str, Any]:
     from tandem import SamplingParams
-    from tandem.config import EngineConfig, ModelConfig
     from tandem.core.model_runner_output import ModelRunnerOutput
     from tandem.core.request import Request
     from tandem.core.scheduler_output import SchedulerOutput
-    from tandem.core.worker.model_files import load_hf_config, load_tokenizer, resolve_model_dir
+    from tandem.models.model_files import load_hf_config, load_tokenizer, resolve_model_dir
+    from tandem.schema.config import EngineConfig, ModelConfig
     from tandem.structured_output.manager import StructuredOutputManager
 
     model_dir = resolve_model_dir("default")

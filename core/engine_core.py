@@ -18,7 +18,6 @@ from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from tandem.config import EngineConfig
 from tandem.core.executor import Executor, make_executor
 from tandem.core.live_requests import LiveRequests
 from tandem.core.model_runner_output import ModelRunnerOutput, resolve_output
@@ -27,7 +26,8 @@ from tandem.core.plugin_manager import TandemPluginManager, import_class
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.scheduler_state import SchedulerState
-from tandem.request_checks import check_request
+from tandem.schema.config import EngineConfig
+from tandem.schema.request_checks import check_request
 
 logger = logging.getLogger("tandem.engine")
 

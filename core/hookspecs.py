@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
     import torch
 
-    from tandem.config import EngineConfig
     from tandem.core.model_runner_output import ModelRunnerOutput, SamplerOutput
     from tandem.core.outputs import EngineCoreOutput, PluginFinish
     from tandem.core.plugin_manager import TandemPluginManager
@@ -47,6 +46,7 @@ if TYPE_CHECKING:
     from tandem.core.waiting_queue import WaitingQueue
     from tandem.core.worker.draft_context import DraftContext
     from tandem.core.worker.sampling_metadata import SamplingMetadata
+    from tandem.schema.config import EngineConfig
 
 PROJECT = "tandem"
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -1,7 +1,7 @@
 """Typed messages between processes: small frozen structs, encoded as MessagePack, no pickle.
 
-Engine -> worker: `ExecuteModel`, `SampleTokens`, `Shutdown`; worker -> engine: `WorkerReply`
-(also the "started" reply, empty) or `WorkerError`. The serving stack's front end <-> engine
+Engine -> worker: `ExecuteModel`, `SampleTokens`, `CallWorker`, `Shutdown`; worker -> engine:
+`WorkerReply` (also the "started" reply, empty), `RpcReply` or `WorkerError`. The serving stack's front end <-> engine
 core channel uses the same base and codec (`tandem.engine.messages`).
 
 Inside a message, dataclasses (`SchedulerOutput`, `ModelRunnerOutput`, `EngineCoreOutput`)
@@ -20,7 +20,7 @@ import torch
 
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.scheduler_output import SchedulerOutput
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 
 
 class Message(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -59,6 +59,19 @@ class Shutdown(Message):
     pass
 
 
+class CallWorker(Message):
+    """`collective_rpc`: call `worker.<method>(*args)` between steps."""
+
+    method: str
+    args: list[Any] = []
+
+
+class RpcReply(Message):
+    """`CallWorker`'s result (plain data)."""
+
+    result: Any = None
+
+
 class WorkerReply(Message):
     """A call's result: `output` for `SampleTokens`, None otherwise."""
 
@@ -76,8 +89,8 @@ class WorkerError(Message):
     where: str | None = None
 
 
-ToWorker = ExecuteModel | SampleTokens | Shutdown
-FromWorker = WorkerReply | WorkerError
+ToWorker = ExecuteModel | SampleTokens | CallWorker | Shutdown
+FromWorker = WorkerReply | RpcReply | WorkerError
 
 
 def _enc_hook(obj: Any) -> Any:

@@ -2,7 +2,7 @@
 
 Logprobs travel inside the engine as compact `TokenLogprobs` dicts {token id: (logprob,
 rank)}, the chosen token first; the front door's output processor turns them into vLLM's
-`Logprob` objects (`tandem.outputs`).
+`Logprob` objects (`tandem.schema.outputs`).
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ from typing import Any, ClassVar
 import pluggy
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from tandem.config import ConfigError, EngineConfig, PluginSpec
 from tandem.core.hookspecs import PROJECT, EngineHookSpecs, WorkerHookSpecs
 from tandem.core.plugin_error import HookSite, PluginError, definition_site, failing_hook
-from tandem.sampling_params import format_validation_error
+from tandem.schema.config import ConfigError, EngineConfig, PluginSpec
+from tandem.schema.sampling_params import format_validation_error
 
 ENTRY_POINT_GROUP = "tandem.plugins"
 ENGINE_HOOKS = frozenset(n for n in vars(EngineHookSpecs) if not n.startswith("_"))

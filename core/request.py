@@ -27,13 +27,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from tandem.sampling_params import SamplingParams
-
-
-class RequestRejectedError(ValueError):
-    """A plugin refused one request for a reason of its own (a schema its grammar backend
-    cannot compile, an unknown backend name). Front doors report it to that request only,
-    as `finish_reason == "error"`, and go on with the other requests."""
+from tandem.schema.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -87,6 +81,10 @@ class Request:
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     use_structured_output: bool = False
+    #: The first step id (`SchedulerOutput.step_id`) at which the request may be scheduled
+    #: for decode again: set by the async layer to the step it was scheduled in +
+    #: `scheduler.decode_stagger` (pipeline microbatching), 0 = any step.
+    next_decode_eligible_step: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

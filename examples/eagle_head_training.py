@@ -120,7 +120,7 @@ TEMPLATES = [
 
 
 def default_output_dir() -> Path:
-    from tandem.core.worker.model_files import cache_root
+    from tandem.schema.cache_dir import cache_root
 
     return cache_root() / "eagle" / "smollm2-135m-instruct"
 
@@ -159,7 +159,7 @@ def make_llm(speculative: dict[str, Any] | None = None, **kw: Any) -> Any:
 def generate(
     llm: Any, prompt_ids: list[list[int]], max_tokens: int
 ) -> tuple[list[list[int]], float]:
-    from tandem.sampling_params import SamplingParams
+    from tandem.schema.sampling_params import SamplingParams
 
     start = time.perf_counter()
     outs = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))

@@ -84,7 +84,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from tandem.core.worker.model_files import load_tokenizer, resolve_model_dir
+    from tandem.models.model_files import load_tokenizer, resolve_model_dir
     from tandem.spec_decode.eagle_head import save_eagle_head
 
     model_dir = resolve_model_dir("default")

@@ -6,7 +6,9 @@ this step gets `num_sampled_tokens_per_step + scheduled drafts` output placehold
 `spec_token_ids` become the shared read-only `[-1] * k` list (the worker verifies its
 latest proposal in their place, which the scheduler records as `Request.draft_token_ids`),
 and the step is marked `pending_structured_output_tokens` when a constrained
-request still has unresolved placeholders. Everything else (the no-extra-step rule, the
+request still has unresolved placeholders; and the request may next be decoded
+`scheduler.decode_stagger` steps later (`Request.next_decode_eligible_step`, default
+`pipeline_parallel_size`: 1 step without pipeline parallelism). Everything else (the no-extra-step rule, the
 stop estimate, resolving returned tokens, stale outputs) lives in the scheduler and is
 inert while placeholders are 0.
 """
@@ -15,10 +17,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from tandem.config import EngineConfig
 from tandem.core import hookimpl
 from tandem.core.plugin_manager import PluginConfigError, TandemPlugin, TandemPluginManager
 from tandem.core.scheduler_output import SchedulerOutput
+from tandem.schema.config import EngineConfig
 
 
 class AsyncScheduler(TandemPlugin):
@@ -29,6 +31,12 @@ class AsyncScheduler(TandemPlugin):
         super().__init__(config, options)
         self._spec_token_placeholders: list[int] = [-1] * config.num_spec_tokens
         self._scheduler = None
+        #: Steps between two decodes of one request: a token sampled on the last pipeline
+        #: stage reaches the first stage `pp_size` steps later (the specification's
+        #: `next_decode_eligible_step = current_step + decode_stagger`).
+        self.decode_stagger = (
+            config.scheduler.decode_stagger or config.parallel.pipeline_parallel_size
+        )
 
     @hookimpl
     def tandem_stack_loaded(self, manager: TandemPluginManager) -> None:
@@ -57,3 +65,4 @@ class AsyncScheduler(TandemPlugin):
             )
             request.num_output_placeholders += num_sampled + len(spec_tokens.get(request_id, ()))
             request.spec_token_ids = self._spec_token_placeholders
+            request.next_decode_eligible_step = scheduler_output.step_id + self.decode_stagger

@@ -25,7 +25,7 @@ from tandem.core import hookimpl
 from tandem.core.model_runner_output import SamplerOutput
 from tandem.core.plugin_manager import TandemPlugin
 from tandem.core.worker.sampling_metadata import SamplingMetadata
-from tandem.sampling_params import SAMPLING_EPS
+from tandem.schema.sampling_params import SAMPLING_EPS
 from tandem.spec_decode.rejection_sampler import rejection_sample
 
 _MASK53 = (1 << 53) - 1

@@ -23,7 +23,6 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from tandem.config import EngineConfig
 from tandem.core import hookimpl
 from tandem.core.plugin_manager import PluginConfigError, TandemPlugin
 from tandem.core.worker.diffusion_state import (
@@ -42,6 +41,7 @@ from tandem.plugins.diffusion_denoise import (
     draw_initial_canvas,
     step_generators,
 )
+from tandem.schema.config import EngineConfig
 
 _RULES = {"entropy": ENTROPY_BOUND, "confidence": CONFIDENCE, "top_k": TOP_K}
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from tandem.config import EngineConfig
 from tandem.core import hookimpl
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.outputs import EngineCoreOutput
@@ -57,6 +56,7 @@ from tandem.core.request import Request
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.plugins.reference_scheduler import ReferenceScheduler
 from tandem.plugins.stop_check import check_stop
+from tandem.schema.config import EngineConfig
 
 #: The spec-token id of a canvas position in the ledger; the runner keeps the real canvas.
 CANVAS_PLACEHOLDER = -1
@@ -136,7 +136,7 @@ class DiffusionScheduler(ReferenceScheduler):
             return causal + canvas
         return causal
 
-    def _in_flight_reaches_max_tokens(self, request: Request) -> bool:
+    def _sits_out(self, request: Request) -> bool:
         """Async: a request whose denoising step is in flight waits for its result (its
         next step depends on whether it committed)."""
         return request.num_output_placeholders > 0

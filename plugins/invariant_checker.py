@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
-from tandem.config import EngineConfig
 from tandem.core import hookimpl
 from tandem.core.plugin_manager import TandemPlugin, TandemPluginManager
 from tandem.core.scheduler_state import SchedulerState
+from tandem.schema.config import EngineConfig
 
 if TYPE_CHECKING:
     from tandem.core.engine_core import EngineCore

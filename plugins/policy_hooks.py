@@ -13,10 +13,10 @@ from typing import Any
 
 import pluggy
 
-from tandem.config import EngineConfig
 from tandem.core.plugin_manager import PluginConfigError
 from tandem.core.request import Request
 from tandem.core.waiting_queue import WaitingQueue
+from tandem.schema.config import EngineConfig
 
 
 class PolicyHooks:

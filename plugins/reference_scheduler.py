@@ -18,7 +18,6 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from tandem.config import EngineConfig
 from tandem.core import hookimpl
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.outputs import EngineCoreOutput
@@ -34,6 +33,7 @@ from tandem.plugins.scheduler_stats import SchedulerStats
 from tandem.plugins.spec_metrics import SpecDecodeMetrics
 from tandem.plugins.step_plan import StepPlan
 from tandem.plugins.stop_check import check_stop
+from tandem.schema.config import EngineConfig
 
 
 class ReferenceScheduler(TandemPlugin):
@@ -143,11 +143,11 @@ class ReferenceScheduler(TandemPlugin):
         # The input position must not exceed the max model len.
         return min(num_new, self.max_model_len - num_computed - self.num_sampled_tokens_per_step)
 
-    @staticmethod
-    def _in_flight_reaches_max_tokens(request: Request) -> bool:
+    def _sits_out(self, request: Request) -> bool:
         """Async: the step in flight already reaches `max_tokens` even if every draft in
-        flight is rejected (outputs: (computed + 1) - (placeholders - 1)); no extra step."""
-        return (
+        flight is rejected (outputs: (computed + 1) - (placeholders - 1)): no extra step; or
+        the step being planned is inside the request's decode stagger."""
+        return self.step_id + 1 < request.next_decode_eligible_step or (
             request.num_output_placeholders > 0
             and request.num_computed_tokens + 2 - request.num_output_placeholders
             >= request.num_prompt_tokens + request.max_tokens
@@ -175,7 +175,7 @@ class ReferenceScheduler(TandemPlugin):
         request.num_stale_output_tokens += request.num_in_flight_tokens
         request.num_in_flight_tokens = 0
         request.num_output_placeholders = 0
-        request.is_prefill_chunk = False
+        request.is_prefill_chunk, request.next_decode_eligible_step = False, 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -204,7 +204,7 @@ class ReferenceScheduler(TandemPlugin):
         req_index = 0
         while req_index < len(self.running) and plan.token_budget > 0:
             request = self.running[req_index]
-            if request.request_id in plan.not_ready or self._in_flight_reaches_max_tokens(request):
+            if request.request_id in plan.not_ready or self._sits_out(request):
                 req_index += 1
                 continue
             if request.spec_token_ids and (no_drafts or self._samples_last_output_token(request)):

@@ -26,7 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "line_counts.json"
-LIMITS = {"kernel": 1750, "files": 400, "functions": 80}
+#: kernel: 1750 until the kernel took executors by name with `collective_rpc` and the
+#: entry-point scan (issue 25: +~50 lines; the bottom layers no longer reach the front door).
+LIMITS = {"kernel": 1825, "files": 400, "functions": 80}
 FUNCTION_DIRS = ("core", "plugins", "kv")
 SKIP_DIRS = {"tests", "build", "dist", "node_modules", "__pycache__"}
 TOP = 10

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.config import ConfigError, EngineConfig
 from tandem.core.worker.draft_context import DraftContext
+from tandem.schema.config import ConfigError, EngineConfig
 
 
 def cdiv(a: int, b: int) -> int:

@@ -20,10 +20,10 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.config import ConfigError, EngineConfig
 from tandem.core import hookimpl
 from tandem.core.worker.draft_context import DraftContext
 from tandem.core.worker.flat_batch import FlatBatch
+from tandem.schema.config import ConfigError, EngineConfig
 from tandem.spec_decode.draft_kv import (
     DraftBlockTables,
     batch_row_starts,
@@ -56,9 +56,9 @@ class DraftModelDrafter:
         self.model: Any = None
 
     def _setup(self, target: Any) -> Any:
-        from tandem.core.worker.cpu_kernels import paged_decode_kernel
-        from tandem.core.worker.hf_model import HFStepModel
-        from tandem.core.worker.model_files import resolve_model_dir
+        from tandem.models.cpu_kernels import paged_decode_kernel
+        from tandem.models.hf_model import HFStepModel
+        from tandem.models.model_files import resolve_model_dir
 
         device = target.device
         weights = getattr(getattr(target, "model", None), "dtype", None)

@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.config import ConfigError, EngineConfig
 from tandem.core import hookimpl
 from tandem.core.worker.draft_context import DraftContext
+from tandem.schema.config import ConfigError, EngineConfig
 from tandem.spec_decode.draft_kv import DraftBlockTables, valid_rows
 from tandem.spec_decode.eagle_head import CONFIG_FILE, EagleHead, load_eagle_head
 
 if TYPE_CHECKING:
-    from tandem.core.worker.paged_attention import PagedAttentionMetadata
+    from tandem.models.paged_attention import PagedAttentionMetadata
 
 #: paged_attention reads the layer index of the KV pool from its module argument.
 _HEAD_LAYER = SimpleNamespace(layer_idx=0)
@@ -83,7 +83,7 @@ class EagleDrafter:
         # so importing the class (`tandem plugins list`) loads no transformers and no step
         # pays an import.
         global build_metadata, paged_attention
-        from tandem.core.worker.paged_attention import build_metadata, paged_attention
+        from tandem.models.paged_attention import build_metadata, paged_attention
 
         spec = config.speculative
         path = options.model or (spec.model if spec is not None else None)
@@ -131,7 +131,7 @@ class EagleDrafter:
         ]
         draft_vocab = head.draft_vocab
         if draft_vocab is not None:
-            from tandem.core.worker.packed_linear import PackedLinear
+            from tandem.models.packed_linear import PackedLinear
 
             # The target's LM head holds one copy of its weight (h16 item 6: the HF
             # parameter is released once packed); `dense_weight` unpacks it for the rows.

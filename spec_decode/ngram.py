@@ -27,10 +27,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from tandem.config import ConfigError, EngineConfig
 from tandem.core import hookimpl
 from tandem.core.plugin_manager import NoOptions, TandemPlugin
 from tandem.core.worker.draft_context import DraftContext
+from tandem.schema.config import ConfigError, EngineConfig
 
 #: Buffer filler left of position 0 and past a row's end; never equal to a token id.
 _PAD = -2

@@ -22,14 +22,14 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from tandem.core.request import RequestRejectedError
+from tandem.schema.request_checks import RequestRejectedError
+from tandem.schema.structured_outputs import StructuredOutputsParams
 from tandem.structured_output.json_schema import (
     SUPPORT,
     PreparedSchema,
     SchemaRefused,
     prepare_schema,
 )
-from tandem.structured_outputs import StructuredOutputsParams
 
 #: Backends the bundled plugin knows, by the name a request or config uses.
 BACKEND_NAMES = ("xgrammar", "outlines")

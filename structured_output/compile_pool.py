@@ -20,8 +20,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from tandem.schema.structured_outputs import StructuredOutputsParams
 from tandem.structured_output.backend import GrammarBackend
-from tandem.structured_outputs import StructuredOutputsParams
 
 
 def compile_key(spec: StructuredOutputsParams) -> str:

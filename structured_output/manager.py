@@ -59,13 +59,15 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.config import EngineConfig
 from tandem.core import hookimpl
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.outputs import PluginFinish
 from tandem.core.plugin_manager import TandemPlugin
-from tandem.core.request import Request, RequestRejectedError, RequestStatus
+from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput, drafts_to_verify
+from tandem.schema.config import EngineConfig
+from tandem.schema.request_checks import RequestRejectedError
+from tandem.schema.structured_outputs import StructuredOutputsParams
 from tandem.structured_output.backend import (
     AUTO_ORDER,
     BACKEND_NAMES,
@@ -74,7 +76,6 @@ from tandem.structured_output.backend import (
     allocate_bitmask,
 )
 from tandem.structured_output.compile_pool import CompilePool
-from tandem.structured_outputs import StructuredOutputsParams
 
 
 @dataclass(slots=True, eq=False)
@@ -142,7 +143,7 @@ class StructuredOutputManager(TandemPlugin):
         backend = self._backends.get(name)
         if backend is None:
             if self._tokenizer is None:
-                from tandem.core.worker.model_files import load_tokenizer
+                from tandem.models.model_files import load_tokenizer
 
                 model = self.config.model
                 self._tokenizer = load_tokenizer(Path(model.tokenizer or model.model))

@@ -19,9 +19,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from tandem.core.request import RequestRejectedError
+from tandem.schema.request_checks import RequestRejectedError
+from tandem.schema.structured_outputs import StructuredOutputsParams
 from tandem.structured_output.backend import check_regex, choice_regex, prepared_json_schema
-from tandem.structured_outputs import StructuredOutputsParams
 
 #: Deepest rollback a guide supports: more than any number of drafts verified in one step.
 MAX_ROLLBACK = 32

@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from tandem.schema.structured_outputs import StructuredOutputsParams
 from tandem.structured_output.backend import check_regex, choice_regex, prepared_json_schema
-from tandem.structured_outputs import StructuredOutputsParams
 
 
 class XgrammarMatcher:

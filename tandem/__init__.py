@@ -11,20 +11,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tandem.config import EngineConfig
     from tandem.llm import LLM
-    from tandem.outputs import CompletionOutput, RequestOutput
-    from tandem.sampling_params import SamplingParams
+    from tandem.schema.config import EngineConfig
+    from tandem.schema.outputs import CompletionOutput, RequestOutput
+    from tandem.schema.sampling_params import SamplingParams
     from tandem.stack_file import load_config
 
 #: Public name -> defining module. Imported on first use (PEP 562), so `import tandem` and
 #: the CLI's parser stay light: torch and transformers load when a model does.
 _LAZY = {
     "LLM": "tandem.llm",
-    "CompletionOutput": "tandem.outputs",
-    "EngineConfig": "tandem.config",
-    "RequestOutput": "tandem.outputs",
-    "SamplingParams": "tandem.sampling_params",
+    "CompletionOutput": "tandem.schema.outputs",
+    "EngineConfig": "tandem.schema.config",
+    "RequestOutput": "tandem.schema.outputs",
+    "SamplingParams": "tandem.schema.sampling_params",
     "load_config": "tandem.stack_file",
 }
 

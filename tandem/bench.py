@@ -127,6 +127,7 @@ def run_tandem(
     import torch
 
     from tandem import LLM, SamplingParams
+    from tandem.core.executor import executor_class
     from tandem.plugins.tracing import tracing_of
 
     torch.set_num_threads(threads)
@@ -134,7 +135,8 @@ def run_tandem(
     # --set wins over the bench's own defaults too (`--set trace_hooks=false`).
     llm = LLM(model=model, **({"worker_num_threads": threads, "trace_hooks": True} | overrides))
     # With the worker in its own process the engine only plans steps: one thread.
-    torch.set_num_threads(1 if llm.config.parallel.executor == "process" else threads)
+    in_caller = executor_class(llm.config.parallel.executor).runs_in_caller_process
+    torch.set_num_threads(threads if in_caller else 1)
     reqs = workload["requests"]
     params = [
         SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs

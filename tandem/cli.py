@@ -190,9 +190,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def _threads_line(config: Any) -> str:
     """The worker's resolved torch threads and where the number came from."""
+    from tandem.core.executor import executor_class
+
     parallel = config.parallel
     where = (
-        "the caller's process" if parallel.executor in ("inprocess", "thread") else "its process"
+        "the caller's process"
+        if executor_class(parallel.executor).runs_in_caller_process
+        else "its process"
     )
     return (
         f"worker threads: {parallel.worker_num_threads} (from {parallel.worker_threads_from}; "
@@ -360,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return trace_main(argv[1:])
     args = build_parser().parse_args(argv)
-    from tandem.config import ConfigError
+    from tandem.schema.config import ConfigError
 
     try:
         return args.fn(args)

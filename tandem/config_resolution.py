@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 
-from tandem.config import ConfigError, EngineConfig, PluginSpec, class_path, with_line
+from tandem.core.executor import executor_class
 from tandem.core.plugin_manager import (
     PluginConfigError,
     ResolvedStack,
@@ -30,8 +30,9 @@ from tandem.core.plugin_manager import (
 )
 from tandem.core.worker.model_loader import model_loader_for
 from tandem.core.worker.threads import resolve_worker_threads
-from tandem.diffusion_config import DiffusionConfig
 from tandem.plugin_discovery import load_plugin_class, loadable_plugins
+from tandem.schema.config import ConfigError, EngineConfig, PluginSpec, class_path, with_line
+from tandem.schema.diffusion_config import DiffusionConfig
 from tandem.stack_checks import check_exclusive_seams, check_signatures
 
 logger = logging.getLogger("tandem.config")
@@ -243,7 +244,7 @@ def _check_grammar(config: EngineConfig, stack: ResolvedStack, source: str) -> N
 
 def _check_process_paths(config: EngineConfig, stack: ResolvedStack) -> None:
     """With the process executor every class travels as `module:Class`: it must import."""
-    if config.parallel.executor != "process":
+    if executor_class(config.parallel.executor).runs_in_caller_process:
         return
     for entry in stack.entries:
         path = class_path(entry.cls)
@@ -255,8 +256,8 @@ def _check_process_paths(config: EngineConfig, stack: ResolvedStack) -> None:
         if not importable:
             raise PluginConfigError(
                 f"{entry.where}: plugin {entry.name!r} ({path}) cannot be imported by its "
-                "path, and parallel.executor 'process' rebuilds the stack in another "
-                "process; define the class at module level of an importable module"
+                "path, and parallel.executor "
+                f"{config.parallel.executor!r} rebuilds the stack in another process; define the class at module level of an importable module"
             )
 
 
@@ -336,6 +337,43 @@ def _resolve_async(config: EngineConfig, executor_supports_async: bool) -> bool:
     return decided
 
 
+def _resolve_parallel(config: EngineConfig, loader: type) -> None:
+    """Ranks: more than one picks the `mp` executor unless one is named, which must run
+    that many ranks; the model's loader must declare `supports_tensor_parallel`; what does
+    not combine with ranks yet is refused naming both keys."""
+    parallel = config.parallel
+    world = parallel.world_size
+    if world == 1:
+        return
+    if "executor" not in parallel.model_fields_set:
+        parallel.executor = "mp"
+    cls = executor_class(parallel.executor)
+    if cls.max_world_size is not None and world > cls.max_world_size:
+        raise ConfigError(
+            f"parallel.tensor_parallel_size: {world} ranks need a multi-rank executor; "
+            f"parallel.executor {parallel.executor!r} runs at most {cls.max_world_size} "
+            "(use 'mp')"
+        )
+    if parallel.cpu_bind != "none":
+        raise ConfigError(
+            "parallel.cpu_bind: pinning is per process and is not supported with "
+            f"parallel.tensor_parallel_size {parallel.tensor_parallel_size} (leave it 'none')"
+        )
+    if parallel.tensor_parallel_size > 1 and not getattr(loader, "supports_tensor_parallel", False):
+        raise ConfigError(
+            f"parallel.tensor_parallel_size: {parallel.tensor_parallel_size} is not supported by "
+            f"the model loader of model.model {config.model.model!r} ({loader.__name__} does "
+            "not declare supports_tensor_parallel)"
+        )
+    spec = config.speculative
+    if spec is not None and spec.method != "ngram":
+        raise ConfigError(
+            f"speculative.method: {spec.method!r} reads the target model's layers, which "
+            f"parallel.tensor_parallel_size {parallel.tensor_parallel_size} splits; only "
+            "'ngram' runs with tensor parallelism"
+        )
+
+
 def resolve_config(config: EngineConfig, executor_supports_async: bool = True) -> EngineConfig:
     """Return a copy with every `None` that has a computable value filled in and the
     plugin stack resolved and kept on it (`plugin_manager.stack_of` reads it)."""
@@ -343,6 +381,7 @@ def resolve_config(config: EngineConfig, executor_supports_async: bool = True) -
     config._stack, config.resolved_stack = None, None
     model = config.model
     loader = model_loader_for(model.model)
+    _resolve_parallel(config, loader)
     explicit_diffusion = config.diffusion is not None  # issue 15 (additive)
     loader.resolve_limits(config)
     check_diffusion(config, loader, explicit_diffusion)

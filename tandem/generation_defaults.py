@@ -13,8 +13,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from tandem.config import ConfigError, EngineConfig
-from tandem.sampling_params import SamplingParams
+from tandem.schema.config import ConfigError, EngineConfig
+from tandem.schema.sampling_params import SamplingParams
 
 #: Logged under the front door's name: these are `LLM`'s defaults.
 logger = logging.getLogger("tandem.llm")
@@ -23,7 +23,7 @@ logger = logging.getLogger("tandem.llm")
 def load_generation_defaults(config: EngineConfig, has_tokenizer: bool) -> dict[str, Any]:
     """The `SamplingParams` fields `LLM.get_default_sampling_params` sets (empty for
     `"vllm"` and for a model without tokenizer); validated, logged when not empty."""
-    from tandem.core.worker.model_files import generation_defaults
+    from tandem.models.model_files import generation_defaults
 
     choice = config.model.generation_config
     if choice == "vllm" or (choice == "auto" and not has_tokenizer):

@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from tandem.chat_prompts import chat_prompts
-from tandem.config import EngineConfig
 from tandem.config_resolution import resolve_config
 from tandem.core.engine_core import EngineCore, EngineDeadError
 from tandem.core.executor import executor_class
-from tandem.core.request import RequestRejectedError
 from tandem.core.worker.model_loader import model_loader_for
 from tandem.generation_defaults import load_generation_defaults
 from tandem.llm_inputs import (
@@ -29,9 +27,11 @@ from tandem.llm_inputs import (
 )
 from tandem.llm_progress import ProgressOption, _Progress
 from tandem.output_processor import OutputProcessor
-from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.request_builder import RequestBuilder
-from tandem.sampling_params import SamplingParams
+from tandem.schema.config import EngineConfig
+from tandem.schema.outputs import CompletionOutput, RequestOutput
+from tandem.schema.request_checks import RequestRejectedError
+from tandem.schema.sampling_params import SamplingParams
 from tandem.stack_file import load_config
 
 __all__ = ["LLM", "ProgressOption", "PromptType"]
@@ -78,7 +78,7 @@ class LLM:
         self.engine = EngineCore(self.config, source=source)
         self.tokenizer = None
         if self._loader.has_tokenizer:
-            from tandem.core.worker.model_files import load_tokenizer
+            from tandem.models.model_files import load_tokenizer
 
             self.tokenizer = load_tokenizer(Path(self.config.model.model))
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tandem.sampling_params import SamplingParams, SamplingParamsError
+from tandem.schema.sampling_params import SamplingParams, SamplingParamsError
 
 PromptType = str | Sequence[int] | dict[str, Any]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from tandem.core.outputs import EngineCoreOutput, TokenLogprobs
 from tandem.detokenizer import IncrementalDetokenizer
-from tandem.outputs import (
+from tandem.schema.outputs import (
     CompletionOutput,
     Logprob,
     PromptLogprobs,
@@ -23,7 +23,7 @@ from tandem.outputs import (
     RequestOutput,
     SampleLogprobs,
 )
-from tandem.sampling_params import RequestOutputKind, SamplingParams
+from tandem.schema.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass(slots=True)

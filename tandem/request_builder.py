@@ -13,10 +13,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tandem.config import EngineConfig
 from tandem.core.request import Request
 from tandem.llm_inputs import PromptType, _token_ids
-from tandem.sampling_params import SamplingParams
+from tandem.schema.config import EngineConfig
+from tandem.schema.sampling_params import SamplingParams
 
 
 def bad_words_token_ids(

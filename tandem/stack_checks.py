@@ -18,7 +18,6 @@ from types import MethodType, SimpleNamespace
 
 import pluggy
 
-from tandem.config import PluginSpec
 from tandem.core.hookspecs import EXCLUSIVE_SEAMS, PROJECT, EngineHookSpecs, WorkerHookSpecs
 from tandem.core.plugin_error import definition_site
 from tandem.core.plugin_manager import (
@@ -27,6 +26,7 @@ from tandem.core.plugin_manager import (
     ResolvedStack,
     implemented_hooks,
 )
+from tandem.schema.config import PluginSpec
 
 
 @functools.cache

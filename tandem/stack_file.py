@@ -31,9 +31,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from tandem.config import ConfigError, EngineConfig, SpeculativeConfig, with_line
-from tandem.core.worker.model_files import cache_root
-from tandem.sampling_params import format_validation_error
+from tandem.schema.cache_dir import cache_root
+from tandem.schema.config import ConfigError, EngineConfig, SpeculativeConfig, with_line
+from tandem.schema.sampling_params import format_validation_error
 
 _SECTIONS = ("model", "scheduler", "cache", "speculative", "structured_output", "parallel")
 _TOP_LEVEL = ("plugins", "check_invariants", "trace_hooks", "diffusion")

@@ -47,7 +47,7 @@ def record(
     figures."""
     from tandem.core.request import Request
     from tandem.plugins.tracing import Span, StepTracer, enable_tracing
-    from tandem.sampling_params import SamplingParams
+    from tandem.schema.sampling_params import SamplingParams
     from tandem.testing import make_scripted_engine
 
     max_len = prompt + output + 16

@@ -25,7 +25,7 @@ def _suite_default_dtype() -> None:
     wanted = os.environ.get("TANDEM_TEST_DTYPE", "float32" if torch.cuda.is_available() else "auto")
     if wanted == "auto":
         return
-    from tandem.config import EngineConfig, ModelConfig
+    from tandem.schema.config import EngineConfig, ModelConfig
 
     ModelConfig.model_fields["dtype"].default = wanted
     ModelConfig.model_rebuild(force=True)

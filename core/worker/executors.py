@@ -1,5 +1,6 @@
-"""The executors: the worker in the caller's thread, on a background thread, or in a
-separate OS process.
+"""The single-rank executors: the worker in the caller's thread, on a background thread, or
+in a separate OS process; and `WorkerProcess`, the spawned worker the process executor and
+the multi-rank `mp` executor (`multiproc_executor.py`) are built from.
 
 The thread and process executors return futures at once and resolve them in call order, so
 the engine's batch queue overlaps planning with execution. The process executor is the
@@ -20,14 +21,16 @@ import traceback
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from typing import Any, ClassVar
 
 import torch
 
-from tandem.config import EngineConfig
 from tandem.core.executor import Executor, completed
 from tandem.core.messages import (
+    CallWorker,
     ExecuteModel,
     FromWorker,
+    RpcReply,
     SampleTokens,
     Shutdown,
     TensorData,
@@ -40,8 +43,12 @@ from tandem.core.messages import (
 from tandem.core.model_runner_output import ModelRunnerOutput, resolve_output
 from tandem.core.plugin_error import HookSite, failing_hook
 from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.worker import parallel_state
+from tandem.core.worker.device import resolve_device
+from tandem.core.worker.parallel_state import RankInfo
 from tandem.core.worker.worker import Worker
-from tandem.sampling_params import SamplingParams
+from tandem.schema.config import EngineConfig
+from tandem.schema.sampling_params import SamplingParams
 
 
 class InProcessExecutor(Executor):
@@ -50,6 +57,8 @@ class InProcessExecutor(Executor):
     Async semantics (steps queued, results consumed later) without overlap: the executor
     the correctness tests use.
     """
+
+    runs_in_caller_process: ClassVar[bool] = True
 
     def __init__(self, config: EngineConfig, worker: Worker | None = None) -> None:
         self.worker = worker if worker is not None else Worker(config)
@@ -60,9 +69,14 @@ class InProcessExecutor(Executor):
     def sample_tokens(self, grammar_bitmask: torch.Tensor | None) -> Future[ModelRunnerOutput]:
         return completed(self.worker.sample_tokens, grammar_bitmask)
 
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
+
 
 class ThreadExecutor(Executor):
     """The worker runs on one background thread (torch releases the GIL in its kernels)."""
+
+    runs_in_caller_process: ClassVar[bool] = True
 
     def __init__(self, config: EngineConfig) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-worker")
@@ -73,6 +87,9 @@ class ThreadExecutor(Executor):
 
     def sample_tokens(self, grammar_bitmask: torch.Tensor | None) -> Future[ModelRunnerOutput]:
         return self._pool.submit(self.worker.sample_tokens, grammar_bitmask)
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return [self._pool.submit(getattr(self.worker, method), *args).result()]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
@@ -97,63 +114,109 @@ def _worker_error(worker: Worker) -> WorkerError:
     return WorkerError(traceback.format_exc(), site.plugin, site.hook, site.where)
 
 
-def _worker_main(config: EngineConfig, conn: Connection) -> None:
+def _worker_main(
+    config: EngineConfig, conn: Connection, rank: RankInfo | None, init_method: str | None
+) -> None:
+    """A worker process: join the process group (a rank of a multi-rank executor), build the
+    worker, then answer messages in order until `Shutdown` or the pipe closes. Only the
+    driver rank sends its sampled output back; the others' replies are empty."""
+    worker = None
     try:
+        if rank is not None:
+            assert init_method is not None
+            parallel_state.initialize(rank, init_method, resolve_device(config.model.device))
+            # Every rank draws the same unseeded samples: the same seed, the same calls.
+            torch.manual_seed(config.model.seed)
         worker = Worker(config)
     except BaseException:
         conn.send_bytes(encode(WorkerError(traceback.format_exc())))
         return
     conn.send_bytes(encode(WorkerReply()))
+    driver = rank is None or rank.is_driver
     messages = decoder(ToWorker)
-    while True:
-        try:
-            message = messages.decode(conn.recv_bytes())
-        except EOFError:
-            return
-        if isinstance(message, Shutdown):
-            return
-        try:
-            if isinstance(message, ExecuteModel):
-                worker.execute_model(message.scheduler_output)
-                reply = encode(WorkerReply())
-            else:  # only host data crosses the pipe: wait for the copy here
-                bitmask = message.grammar_bitmask
-                output = worker.sample_tokens(bitmask.to_tensor() if bitmask else None)
-                reply = encode(WorkerReply(resolve_output(output)))
-        except BaseException:
-            reply = encode(_worker_error(worker))
-        conn.send_bytes(reply)
+    try:
+        while True:
+            try:
+                message = messages.decode(conn.recv_bytes())
+            except EOFError:
+                return
+            if isinstance(message, Shutdown):
+                return
+            try:
+                if isinstance(message, ExecuteModel):
+                    worker.execute_model(message.scheduler_output)
+                    reply = encode(WorkerReply())
+                elif isinstance(message, CallWorker):
+                    reply = encode(RpcReply(getattr(worker, message.method)(*message.args)))
+                else:  # only host data crosses the pipe: wait for the copy here
+                    bitmask = message.grammar_bitmask
+                    output = resolve_output(
+                        worker.sample_tokens(bitmask.to_tensor() if bitmask else None)
+                    )
+                    reply = encode(WorkerReply(output if driver else None))
+            except BaseException:
+                reply = encode(_worker_error(worker))
+            conn.send_bytes(reply)
+    finally:
+        parallel_state.shutdown()
 
 
-class ProcessExecutor(Executor):
-    """The worker runs in a spawned process; a reader thread resolves futures in order."""
+class WorkerProcess:
+    """One spawned worker process and its pipe: messages go out in order, a reader thread
+    resolves one future per message in the same order. `name` prefixes every error (a
+    rank says which one it is)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        name: str,
+        rank: RankInfo | None = None,
+        init_method: str | None = None,
+    ) -> None:
         context = mp.get_context("spawn")
+        self.name = name
         self._conn, child = context.Pipe()
         self.process = context.Process(
-            target=_worker_main, args=(config, child), name="tandem-worker", daemon=True
+            target=_worker_main,
+            args=(config, child, rank, init_method),
+            name=f"tandem-{name.replace(' ', '-')}",
+            daemon=True,
         )
         self.process.start()
         child.close()
         self._replies = decoder(FromWorker)
-        started = self._replies.decode(self._conn.recv_bytes())
-        if isinstance(started, WorkerError):
-            self.process.join(timeout=5)
-            raise WorkerProcessError(f"the worker process failed to start:\n{started.traceback}")
         self._pending: deque[Future] = deque()
         self._lock = threading.Lock()
         self._closed = False
+        self._reader: threading.Thread | None = None
+
+    def wait_started(self, timeout_s: float | None = None) -> None:
+        """Block until the worker is built (or raise `WorkerProcessError` with its
+        traceback, or when it exits or `timeout_s` passes first); then start reading."""
+        if not self._conn.poll(timeout_s):
+            self.process.terminate()
+            raise WorkerProcessError(f"{self.name}: the worker process did not start in time")
+        try:
+            started = self._replies.decode(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            raise WorkerProcessError(
+                f"{self.name}: the worker process exited while starting"
+            ) from None
+        if isinstance(started, WorkerError):
+            self.process.join(timeout=5)
+            raise WorkerProcessError(
+                f"{self.name}: the worker process failed to start:\n{started.traceback}"
+            )
         self._reader = threading.Thread(
-            target=self._read_loop, name="tandem-worker-reader", daemon=True
+            target=self._read_loop, name=f"tandem-{self.name.replace(' ', '-')}-reader", daemon=True
         )
         self._reader.start()
 
-    def _send(self, data: bytes) -> Future:
+    def send(self, data: bytes) -> Future:
         future: Future = Future()
         with self._lock:
             if self._closed:
-                raise WorkerProcessError("the worker process has shut down")
+                raise WorkerProcessError(f"{self.name}: the worker process has shut down")
             self._pending.append(future)
             self._conn.send_bytes(data)
         return future
@@ -168,42 +231,72 @@ class ProcessExecutor(Executor):
                 future = self._pending.popleft()
             if isinstance(reply, WorkerReply):
                 future.set_result(reply.output)
+            elif isinstance(reply, RpcReply):
+                future.set_result(reply.result)
             else:
-                message = f"the worker process raised:\n{reply.traceback}"
+                message = f"{self.name}: the worker process raised:\n{reply.traceback}"
                 site = None
                 if reply.plugin is not None:
                     hook, where = reply.hook or "?", reply.where or "?"
                     site = HookSite(reply.plugin, hook, None, False, where)
                 future.set_exception(WorkerProcessError(message, site))
+        code = self.process.exitcode if not self.process.is_alive() else None
         with self._lock:
             self._closed = True
             while self._pending:
                 self._pending.popleft().set_exception(
-                    WorkerProcessError("the worker process exited")
+                    WorkerProcessError(
+                        f"{self.name}: the worker process exited"
+                        + (f" (exit code {code})" if code is not None else "")
+                    )
                 )
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[None]:
-        try:
-            data = encode(ExecuteModel(scheduler_output))
-        except (OverflowError, TypeError, ValueError) as exc:
-            data = encode(ExecuteModel(_sendable(scheduler_output, exc)))
-        return self._send(data)
-
-    def sample_tokens(self, grammar_bitmask: torch.Tensor | None) -> Future[ModelRunnerOutput]:
-        bitmask = TensorData.of(grammar_bitmask) if grammar_bitmask is not None else None
-        return self._send(encode(SampleTokens(bitmask)))
 
     def shutdown(self) -> None:
         with self._lock:
             if self._closed:
-                return
-            self._closed = True
-            with contextlib.suppress(OSError):
-                self._conn.send_bytes(encode(Shutdown()))
-        self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.terminate()
+                already = True
+            else:
+                already = False
+                self._closed = True
+                with contextlib.suppress(OSError):
+                    self._conn.send_bytes(encode(Shutdown()))
+        if not already or self.process.is_alive():
+            self.process.join(timeout=10)
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(timeout=5)
         self._conn.close()
+
+
+def encode_step(scheduler_output: SchedulerOutput) -> bytes:
+    """The step as bytes, once for every rank (a request whose data cannot be encoded is
+    replaced by a stand-in that fails it alone: `_sendable`)."""
+    try:
+        return encode(ExecuteModel(scheduler_output))
+    except (OverflowError, TypeError, ValueError) as exc:
+        return encode(ExecuteModel(_sendable(scheduler_output, exc)))
+
+
+class ProcessExecutor(Executor):
+    """The worker runs in a spawned process; a reader thread resolves futures in order."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._worker = WorkerProcess(config, "worker")
+        self.process = self._worker.process
+        self._worker.wait_started()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[None]:
+        return self._worker.send(encode_step(scheduler_output))
+
+    def sample_tokens(self, grammar_bitmask: torch.Tensor | None) -> Future[ModelRunnerOutput]:
+        bitmask = TensorData.of(grammar_bitmask) if grammar_bitmask is not None else None
+        return self._worker.send(encode(SampleTokens(bitmask)))
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return [self._worker.send(encode(CallWorker(method, list(args)))).result()]
+
+    def shutdown(self) -> None:
+        self._worker.shutdown()
 
 
 def _sendable(scheduler_output: SchedulerOutput, error: Exception) -> SchedulerOutput:

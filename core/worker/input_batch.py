@@ -31,7 +31,7 @@ from tandem.core.scheduler_output import NewRequestData
 from tandem.core.worker.bad_words import BadWordIndex
 from tandem.core.worker.block_table import BlockTable
 from tandem.core.worker.host_tensors import host_int64
-from tandem.sampling_params import SAMPLING_EPS, SEED_MAX, SamplingParams
+from tandem.schema.sampling_params import SAMPLING_EPS, SEED_MAX, SamplingParams
 
 #: The largest float32: a temperature above it would become inf in the tensor (and
 #: -inf / inf is NaN, which would let a blocked token through).

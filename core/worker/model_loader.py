@@ -25,7 +25,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from tandem.config import ConfigError, EngineConfig
+from tandem.schema.config import ConfigError, EngineConfig
 
 if TYPE_CHECKING:
     from tandem.core.worker.model_runner import StepModel
@@ -51,7 +51,7 @@ class ModelLoader(Protocol):
 
 def model_loaders() -> dict[str, type[ModelLoader]]:
     """Every installed loader, by each kind it declares."""
-    from tandem.plugin_discovery import plugin_entry_points
+    from tandem.core.entry_points import plugin_entry_points
 
     loaders: dict[str, type[ModelLoader]] = {}
     for ep in plugin_entry_points(MODEL_LOADER_GROUP):
@@ -96,69 +96,3 @@ def load_step_model(config: EngineConfig) -> StepModel:
     if config.cache.num_kv_blocks is None:
         raise ConfigError("cache.num_kv_blocks must be resolved before the model is loaded")
     return model_loader_for(config.model.model).load(config)
-
-
-class HFModelLoader:
-    """Hugging Face directories, `.gguf` files (converted once), hub ids from the local hub
-    cache, and `default` (the embedded SmolLM2): real transformers run paged."""
-
-    model_kinds: ClassVar[tuple[str, ...]] = (HF_KIND,)
-    has_tokenizer: ClassVar[bool] = True
-    simulatable: ClassVar[bool] = False
-
-    @classmethod
-    def resolve_limits(cls, config: EngineConfig) -> None:
-        """Vocabulary, EOS, max_model_len and the KV pool size from the model's files; the
-        model path becomes its resolved directory."""
-
-        from tandem.core.worker.model_dtype import (
-            kv_bytes_per_token,
-            resolve_device,
-            resolve_dtype,
-        )
-        from tandem.core.worker.model_files import load_hf_config, resolve_model_dir
-
-        model = config.model
-        model_dir = resolve_model_dir(model.model, allow_download=model.allow_download)
-        model.model = str(model_dir)
-        hf = load_hf_config(model_dir)
-        model.vocab_size = hf.vocab_size
-        if model.eos_token_id is None:
-            eos = getattr(hf, "eos_token_id", None)
-            model.eos_token_id = eos[0] if isinstance(eos, list) else eos
-        if model.max_model_len is None:
-            model.max_model_len = int(getattr(hf, "max_position_embeddings", 2048))
-        if config.cache.num_kv_blocks is None:
-            device = resolve_device(model.device)
-            per_token = kv_bytes_per_token(hf, resolve_dtype(model.dtype, device))
-            budget = int(config.cache.kv_cache_memory_gib * (1 << 30))
-            config.cache.num_kv_blocks = max(1, budget // (per_token * config.cache.block_size))
-            capacity = config.cache.num_kv_blocks * config.cache.block_size
-            model.max_model_len = min(model.max_model_len, capacity)
-
-    @classmethod
-    def load(cls, config: EngineConfig) -> StepModel:
-        import torch
-
-        from tandem.core.worker.cpu_kernels import paged_decode_kernel
-        from tandem.core.worker.hf_model import HFStepModel
-        from tandem.core.worker.model_dtype import resolve_device, resolve_dtype
-        from tandem.core.worker.model_files import resolve_model_dir
-
-        device = resolve_device(config.model.device)
-        dtype = resolve_dtype(config.model.dtype, device)
-        # The decode kernel reads float32 and bfloat16 pools (issue 16 item 3).
-        use_kernel = (
-            config.model.attention == "auto"
-            and device.type == "cpu"
-            and dtype in (torch.float32, torch.bfloat16)
-        )
-        assert config.cache.num_kv_blocks is not None
-        return HFStepModel(
-            model_dir=resolve_model_dir(config.model.model),
-            dtype=dtype,
-            num_blocks=config.cache.num_kv_blocks,
-            block_size=config.cache.block_size,
-            device=device,
-            decode_kernel=paged_decode_kernel() if use_kernel else None,
-        )

@@ -29,8 +29,6 @@ from tandem.core.model_runner_output import (
 )
 from tandem.core.scheduler_output import CachedRequestData, SchedulerOutput
 from tandem.core.worker.async_output import DeviceOutputs
-from tandem.core.worker.block_diffusion import is_block_diffusion
-from tandem.core.worker.diffusion_runner import DiffusionRunner
 from tandem.core.worker.draft_context import DraftContext
 from tandem.core.worker.drafts import DraftStore
 from tandem.core.worker.flat_batch import FlatBatch, prepare_flat_batch
@@ -44,7 +42,7 @@ from tandem.core.worker.sampling_inputs import (
     needs_history,
 )
 from tandem.core.worker.sampling_metadata import SamplingMetadata
-from tandem.sampling_params import num_logprobs
+from tandem.schema.sampling_params import num_logprobs
 
 logger = logging.getLogger("tandem.worker")
 
@@ -95,12 +93,6 @@ class ModelRunner:
         self.model = model
         self.hooks = hooks
         self.block_size = block_size
-        #: Block-diffusion models take their own path (diffusion_runner.py), chosen once here.
-        self.diffusion = (
-            DiffusionRunner(model, hooks, block_size, max_num_reqs)
-            if is_block_diffusion(model)
-            else None
-        )
         self.num_spec_tokens = num_spec_tokens
         self.async_scheduling = async_scheduling
         self.input_batch = InputBatch(max_num_reqs=max_num_reqs)  # grows by doubling
@@ -207,8 +199,6 @@ class ModelRunner:
         )
 
     def execute_model(self, so: SchedulerOutput) -> None:
-        if self.diffusion is not None:
-            return self.diffusion.execute_model(so)
         failed_inputs = self._update_states(so)
         batch = self._prepare_inputs(so)
         if self.device_outputs is not None:
@@ -250,8 +240,6 @@ class ModelRunner:
     def sample_tokens(
         self, grammar_bitmask: torch.Tensor | None = None
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        if self.diffusion is not None:
-            return self.diffusion.sample_tokens(grammar_bitmask)
         so, batch, logits, hidden, failed_inputs = self._pending.pop(0)
         sampling = [batch.req_ids[r] for r in batch.sample_req_indices]
         prompt_logprobs = self.prompt_logprobs.take(sampling)

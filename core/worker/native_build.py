@@ -22,10 +22,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tandem.core.worker.model_files import cache_root
+from tandem.schema.cache_dir import cache_root
 
 logger = logging.getLogger("tandem.worker")
 
+#: The worker's own C++ sources (thread placement); model kernels live in `tandem.models`.
 CSRC = Path(__file__).resolve().parent / "csrc"
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
 LINK_FLAGS = ("-shared", "-fopenmp")
@@ -71,22 +72,22 @@ def build_library(source: Path, compiler: str) -> Path:
     return target
 
 
-def load_library(source: str, abi_symbol: str, abi: int, fallback: str) -> ctypes.CDLL | None:
-    """`csrc/<source>` built and loaded, or None with one warning naming `fallback` (what
+def load_library(source: Path, abi_symbol: str, abi: int, fallback: str) -> ctypes.CDLL | None:
+    """The C++ file `source` built and loaded, or None with one warning naming `fallback` (what
     callers use instead): `TANDEM_CPU_KERNELS=0`, no C++ compiler, a failed build, or an
     ABI version (`abi_symbol()`) other than `abi`."""
     if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
         return None
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if compiler is None:
-        logger.warning("no C++ compiler found for %s: using %s", source, fallback)
+        logger.warning("no C++ compiler found for %s: using %s", source.name, fallback)
         return None
     try:
-        library = ctypes.CDLL(str(build_library(CSRC / source, compiler)))
+        library = ctypes.CDLL(str(build_library(source, compiler)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("%s unavailable, using %s: %s", source, fallback, exc)
+        logger.warning("%s unavailable, using %s: %s", source.name, fallback, exc)
         return None
     if getattr(library, abi_symbol)() != abi:
-        logger.warning("%s ABI mismatch, using %s", source, fallback)
+        logger.warning("%s ABI mismatch, using %s", source.name, fallback)
         return None
     return library

@@ -17,7 +17,7 @@ from tandem.core.worker.flat_batch import FlatBatch
 from tandem.core.worker.host_tensors import host_int64
 from tandem.core.worker.input_batch import InputBatch, RequestState
 from tandem.core.worker.sampling_metadata import SamplingMetadata
-from tandem.sampling_params import num_logprobs
+from tandem.schema.sampling_params import num_logprobs
 
 
 def blocked_tokens(

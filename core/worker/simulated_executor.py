@@ -12,15 +12,16 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
-from tandem.config import ConfigError, EngineConfig, SimulatedDeviceConfig
 from tandem.core.executor import Executor
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.model_loader import model_loader_for
 from tandem.core.worker.worker import Worker
+from tandem.schema.config import ConfigError, EngineConfig, SimulatedDeviceConfig
 
 
 @dataclass(slots=True)
@@ -44,6 +45,9 @@ def modelled_step_seconds(
 
 class SimulatedExecutor(Executor):
     """Executes the scripted model on a device thread that sleeps for each step's modelled time."""
+
+    runs_in_caller_process: ClassVar[bool] = True
+    simulates_device: ClassVar[bool] = True
 
     def __init__(self, config: EngineConfig) -> None:
         if not model_loader_for(config.model.model).simulatable:
@@ -101,6 +105,9 @@ class SimulatedExecutor(Executor):
         return self._device.submit(
             self._run_on_device, -1, "sample", 0.0, self.worker.sample_tokens, grammar_bitmask
         )
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return [self._device.submit(getattr(self.worker, method), *args).result()]
 
     def busy_fraction(self, since: float, until: float) -> float:
         """Fraction of [since, until] the device spent executing steps."""

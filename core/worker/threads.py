@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import os
 
-from tandem.config import ConfigError, EngineConfig
+from tandem.core.executor import executor_class
 from tandem.core.worker.cpu_affinity import allowed_cpus, cpu_list, pin_threads
+from tandem.schema.config import ConfigError, EngineConfig
 
 logger = logging.getLogger("tandem.config")
 
@@ -26,13 +27,17 @@ def default_worker_threads() -> tuple[int, str]:
 
 def resolve_worker_threads(config: EngineConfig) -> None:
     """Fill `parallel.worker_num_threads`: the explicit setting, else `OMP_NUM_THREADS`,
-    else the CPUs this process may use; record where the number came from."""
+    else the CPUs this process may use (split evenly between the ranks of a multi-rank
+    executor: the number is per rank); record where the number came from."""
     parallel = config.parallel
     if parallel.worker_num_threads is None:
-        parallel.worker_num_threads, parallel._threads_from = default_worker_threads()
+        threads, source = default_worker_threads()
+        if parallel.world_size > 1:  # the ranks share this host's CPUs
+            threads, source = max(1, threads // parallel.world_size), f"{source} / world_size"
+        parallel.worker_num_threads, parallel._threads_from = threads, source
     else:
         parallel._threads_from = "parallel.worker_num_threads"
-    if parallel.executor != "simulated":
+    if parallel.cpu_bind != "none":
         try:
             cpu_list(parallel.cpu_bind, parallel.worker_num_threads)
         except ValueError as exc:
@@ -64,7 +69,7 @@ def set_worker_threads(config: EngineConfig) -> None:
         _pinned = cpus
     if _announced_threads != threads:
         _announced_threads = threads
-        shared = config.parallel.executor in ("inprocess", "thread")
+        shared = executor_class(config.parallel.executor).runs_in_caller_process
         logger.info(
             "worker: %d torch threads (from %s)%s",
             threads,

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import torch
 
-from tandem.config import EngineConfig
+from tandem.core.executor import executor_class
 from tandem.core.model_runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 from tandem.core.plugin_manager import TandemPluginManager
 from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.worker import parallel_state
+from tandem.core.worker.block_diffusion import is_block_diffusion
 from tandem.core.worker.cpu_affinity import allowed_cpus
+from tandem.core.worker.diffusion_runner import DiffusionRunner
 from tandem.core.worker.load_governor import LoadGovernor
 from tandem.core.worker.model_loader import load_step_model
 from tandem.core.worker.model_runner import ModelRunner, StepModel
 from tandem.core.worker.threads import set_worker_threads
+from tandem.schema.config import EngineConfig
 
 
 class Worker:
@@ -25,18 +32,32 @@ class Worker:
         self.config = config
         self.plugin_manager = TandemPluginManager(config, side="worker", source=config.source)
         self.model = model if model is not None else load_step_model(config)
-        self.model_runner = ModelRunner(
-            model=self.model,
-            hooks=self.plugin_manager.hook,
-            block_size=config.cache.block_size,
-            num_spec_tokens=config.num_spec_tokens,
-            async_scheduling=bool(config.scheduler.async_scheduling),
-            keep_hidden_states=self.plugin_manager.resolved.needs_hidden_states,
-            max_num_reqs=config.scheduler.max_num_seqs,
-        )
+        self.model_runner = make_runner(config, self.model, self.plugin_manager)
 
         #: Fewer threads while other processes load the machine (`parallel.yield_to_load`).
         self.load_governor = load_governor(config) if self.model.device.type == "cpu" else None
+
+    def describe(self) -> dict[str, Any]:
+        """This worker's place and resources, as plain data (`collective_rpc("describe")`):
+        rank, world size, tensor-parallel rank and size, host, pid, torch threads, device,
+        the KV heads its pool holds (None for a model without a paged pool), and the time,
+        calls and bytes of its collectives so far."""
+        info = parallel_state.current()
+        pools = getattr(self.model, "kv_caches", None)
+        return {
+            "rank": info.rank,
+            "world_size": info.world_size,
+            "tp_rank": info.tp_rank,
+            "tp_size": info.tp_size,
+            "host": info.host,
+            "pid": os.getpid(),
+            "threads": torch.get_num_threads(),
+            "device": str(self.model.device),
+            "kv_heads": int(pools[0][1].shape[2]) if pools else None,
+            "collective_s": parallel_state.collective_time.seconds,
+            "collective_calls": parallel_state.collective_time.calls,
+            "collective_bytes": parallel_state.collective_time.bytes,
+        }
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         if self.load_governor is not None:
@@ -53,6 +74,31 @@ class Worker:
         return self.model_runner.sample_tokens(grammar_bitmask)
 
 
+def make_runner(
+    config: EngineConfig, model: StepModel, plugin_manager: TandemPluginManager
+) -> ModelRunner | DiffusionRunner:
+    """The runner the model's loader declared: `DiffusionRunner` for a block-diffusion model
+    (a loader with `is_diffusion`, resolved into `config.diffusion`), else `ModelRunner`."""
+    if config.diffusion is not None:
+        if not is_block_diffusion(model):
+            raise TypeError(
+                f"model.model: the loader declared a block-diffusion model but built "
+                f"{type(model).__name__}, which lacks encode/denoise/canvas_length"
+            )
+        return DiffusionRunner(
+            model, plugin_manager.hook, config.cache.block_size, config.scheduler.max_num_seqs
+        )
+    return ModelRunner(
+        model=model,
+        hooks=plugin_manager.hook,
+        block_size=config.cache.block_size,
+        num_spec_tokens=config.num_spec_tokens,
+        async_scheduling=bool(config.scheduler.async_scheduling),
+        keep_hidden_states=plugin_manager.resolved.needs_hidden_states,
+        max_num_reqs=config.scheduler.max_num_seqs,
+    )
+
+
 def load_governor(config: EngineConfig) -> LoadGovernor | None:
     """The worker's `LoadGovernor` when `parallel.yield_to_load` asks for one and the thread
     count may move (more than one thread, no CPU pinning, a real device)."""
@@ -60,6 +106,6 @@ def load_governor(config: EngineConfig) -> LoadGovernor | None:
     threads = parallel.worker_num_threads or 1
     if not parallel.yield_to_load or threads == 1 or parallel.cpu_bind != "none":
         return None
-    if parallel.executor == "simulated":
+    if executor_class(parallel.executor).simulates_device:
         return None
     return LoadGovernor(threads, len(allowed_cpus()))

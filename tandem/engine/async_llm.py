@@ -53,7 +53,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.config import EngineConfig
 from tandem.config_resolution import resolve_config
 from tandem.core.executor import executor_class
 from tandem.core.plugin_manager import stack_of
@@ -77,10 +76,11 @@ from tandem.engine.stats import IterationStats, RequestTimings, StatLogger
 from tandem.generation_defaults import load_generation_defaults
 from tandem.llm_inputs import PromptType
 from tandem.output_processor import OutputProcessor
-from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.request_builder import RequestBuilder
-from tandem.request_checks import check_request
-from tandem.sampling_params import RequestOutputKind, SamplingParams
+from tandem.schema.config import EngineConfig
+from tandem.schema.outputs import CompletionOutput, RequestOutput
+from tandem.schema.request_checks import check_request
+from tandem.schema.sampling_params import RequestOutputKind, SamplingParams
 from tandem.stack_file import load_config
 
 logger = logging.getLogger("tandem.engine")
@@ -140,7 +140,7 @@ class AsyncLLM:
         self._generation_defaults = load_generation_defaults(self.config, loader.has_tokenizer)
         self.tokenizer = None
         if loader.has_tokenizer:
-            from tandem.core.worker.model_files import load_tokenizer
+            from tandem.models.model_files import load_tokenizer
 
             self.tokenizer = load_tokenizer(Path(self.config.model.model))
         self.max_model_len: int = self.config.max_model_len

@@ -29,10 +29,10 @@ from typing import Any
 
 import zmq
 
-from tandem.config import EngineConfig
 from tandem.core.messages import Shutdown, decoder, encode
 from tandem.engine.core_proc import run_engine_core
 from tandem.engine.messages import EngineCoreDead, EngineCoreReady, FromEngineCore
+from tandem.schema.config import EngineConfig
 
 logger = logging.getLogger("tandem.engine")
 

@@ -30,7 +30,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from tandem.config import EngineConfig
 from tandem.core.messages import Shutdown, decoder, encode
 from tandem.core.outputs import EngineCoreOutput
 from tandem.engine.messages import (
@@ -42,6 +41,7 @@ from tandem.engine.messages import (
     EngineCoreReady,
     ToEngineCore,
 )
+from tandem.schema.config import EngineConfig
 
 logger = logging.getLogger("tandem.engine_core")
 

@@ -13,7 +13,7 @@ from typing import Any
 from tandem.core.messages import Message, Shutdown
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.request import Request
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 
 
 class AddRequest(Message):

@@ -12,7 +12,7 @@ import asyncio
 from collections import deque
 
 from tandem.engine.errors import StreamOverflowError
-from tandem.outputs import RequestOutput
+from tandem.schema.outputs import RequestOutput
 
 
 class RequestStream:

@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from tandem.outputs import Logprob, PromptLogprobs, SampleLogprobs
+from tandem.schema.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from tandem.server.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tandem.chat_prompts import chat_prompts
-from tandem.outputs import CompletionOutput, RequestOutput
+from tandem.schema.outputs import CompletionOutput, RequestOutput
 from tandem.server.errors import APIError, bad_request
 from tandem.server.logprobs import chat_logprobs, prompt_logprobs_json
 from tandem.server.protocol import (

@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from tandem.outputs import RequestOutput
 from tandem.request_builder import resolve_bad_words
-from tandem.sampling_params import SamplingParams
+from tandem.schema.outputs import RequestOutput
+from tandem.schema.sampling_params import SamplingParams
 from tandem.server.errors import APIError, bad_request
 
 #: Cleanup tasks in flight (a reference keeps them from being garbage collected).

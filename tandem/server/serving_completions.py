@@ -15,8 +15,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tandem.outputs import CompletionOutput, RequestOutput
-from tandem.sampling_params import SamplingParams
+from tandem.schema.outputs import CompletionOutput, RequestOutput
+from tandem.schema.sampling_params import SamplingParams
 from tandem.server.errors import APIError
 from tandem.server.logprobs import completion_logprobs, prompt_logprobs_json
 from tandem.server.protocol import (

@@ -21,11 +21,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tandem.sampling_params import RequestOutputKind, SamplingParams
+from tandem.schema.sampling_params import RequestOutputKind, SamplingParams
+from tandem.schema.structured_outputs import StructuredOutputsParams
 from tandem.server.errors import bad_request, from_validation_error, from_value_error
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tandem.server.tool_choice import tool_call_schema
-from tandem.structured_outputs import StructuredOutputsParams
 
 #: Fields unset in the request that take the model's default when it has one.
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

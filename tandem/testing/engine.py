@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tandem.config import EngineConfig
 from tandem.config_resolution import resolve_config
 from tandem.core.engine_core import EngineCore
 from tandem.core.executor import Executor
 from tandem.core.outputs import EngineCoreOutput
 from tandem.core.request import Request
-from tandem.sampling_params import SamplingParams
+from tandem.schema.config import EngineConfig
+from tandem.schema.sampling_params import SamplingParams
 from tandem.stack_file import load_config
 from tandem.testing.scripted_model import scripted_next_token
 

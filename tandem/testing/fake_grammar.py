@@ -34,11 +34,11 @@ from collections.abc import Collection
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.config import EngineConfig
 from tandem.core import hookimpl
 from tandem.core.plugin_manager import PluginConfigError, TandemPlugin, TandemPluginManager
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput, drafts_to_verify
+from tandem.schema.config import EngineConfig
 
 
 def fake_grammar_allows(previous_token: int, modulus: int, vocab_size: int) -> list[int]:

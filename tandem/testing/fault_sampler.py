@@ -17,10 +17,10 @@ from typing import ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from tandem.config import EngineConfig
 from tandem.core import hookimpl
 from tandem.core.model_runner_output import SamplerOutput
 from tandem.core.worker.sampling_metadata import SamplingMetadata
+from tandem.schema.config import EngineConfig
 
 
 class FaultSamplerOptions(BaseModel):

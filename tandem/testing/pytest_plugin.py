@@ -158,7 +158,7 @@ def _conformance_options(
 def _conformance_stacks(config: pytest.Config) -> list[Any]:
     """Each `--tandem-conformance-stack` file as a `StackUnderTest`, the per-plugin
     options merged in (a bad file or option is a usage error naming it)."""
-    from tandem.config import ConfigError
+    from tandem.schema.config import ConfigError
     from tandem.testing.conformance.stack import load_stack
 
     paths = config.getoption("tandem_conformance_stack")

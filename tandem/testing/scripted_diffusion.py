@@ -28,11 +28,11 @@ from typing import ClassVar
 
 import torch
 
-from tandem.config import EngineConfig
 from tandem.core.worker.block_diffusion import DenoiseContext
 from tandem.core.worker.flat_batch import FlatBatch
-from tandem.diffusion_config import DiffusionConfig
-from tandem.sampling_params import SamplingParams
+from tandem.schema.config import EngineConfig
+from tandem.schema.diffusion_config import DiffusionConfig
+from tandem.schema.sampling_params import SamplingParams
 from tandem.testing.scripted_loader import ScriptedModelLoader
 
 _P = 1_000_003

@@ -17,9 +17,9 @@ from typing import ClassVar
 
 from pydantic import BaseModel, Field
 
-from tandem.config import ConfigError, EngineConfig
 from tandem.core import hookimpl
 from tandem.core.worker.draft_context import DraftContext
+from tandem.schema.config import ConfigError, EngineConfig
 from tandem.testing.scripted_model import scripted_next_token
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from tandem.config import EngineConfig
+from tandem.schema.config import EngineConfig
 from tandem.testing.scripted_model import ScriptedModel
 
 SCRIPTED_DEFAULT_VOCAB = 128

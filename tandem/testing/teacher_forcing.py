@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from tandem.core.worker.flat_batch import FlatBatch
-from tandem.core.worker.hf_model import HFStepModel
+from tandem.models.hf_model import HFStepModel
 
 
 def _step(model: HFStepModel, tokens: list[int], start: int, total_blocks: int) -> torch.Tensor:

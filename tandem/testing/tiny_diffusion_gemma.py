@@ -24,8 +24,8 @@ import torch
 from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
 
 from tandem.core.worker.block_diffusion import DenoiseContext
-from tandem.core.worker.diffusion_gemma import DiffusionGemmaModel
 from tandem.core.worker.flat_batch import FlatBatch
+from tandem.models.diffusion_gemma import DiffusionGemmaModel
 
 VISION = {
     "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,

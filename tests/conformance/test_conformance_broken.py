@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from tandem.config import EngineConfig
 from tandem.core import hookimpl
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.outputs import EngineCoreOutput
@@ -23,6 +22,7 @@ from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_output import NewRequestData, SchedulerOutput
 from tandem.plugins.reference_scheduler import ReferenceScheduler
 from tandem.plugins.request_queue import FCFSQueue
+from tandem.schema.config import EngineConfig
 from tandem.testing.conformance import (
     CHECK_LIST,
     CHECKS,

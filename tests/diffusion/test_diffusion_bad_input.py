@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from tandem.config import ConfigError, EngineConfig
 from tandem.config_resolution import resolve_config
 from tandem.core.engine_core import EngineCore
 from tandem.core.plugin_manager import PluginConfigError
-from tandem.sampling_params import SamplingParamsError
+from tandem.schema.config import ConfigError, EngineConfig
+from tandem.schema.sampling_params import SamplingParamsError
 from tandem.stack_file import load_config
 from tandem.testing.engine import make_request
 

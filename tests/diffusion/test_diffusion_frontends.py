@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from tandem import LLM
-from tandem.config import ConfigError, EngineConfig
 from tandem.config_resolution import resolve_config
 from tandem.core.engine_core import EngineCore
 from tandem.engine import AsyncLLM
-from tandem.sampling_params import SamplingParams
+from tandem.schema.config import ConfigError, EngineConfig
+from tandem.schema.sampling_params import SamplingParams
 from tandem.stack_file import load_config
 from tandem.testing.engine import collect_outputs, make_request
 from tandem.testing.scripted_diffusion import expected_scripted_diffusion_output

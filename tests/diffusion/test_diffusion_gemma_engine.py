@@ -24,12 +24,12 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.config import ConfigError, EngineConfig
 from tandem.config_resolution import resolve_config
 from tandem.core.engine_core import EngineCore
-from tandem.core.worker.diffusion_gemma_loader import DiffusionGemmaLoader
 from tandem.core.worker.model_loader import model_loader_for
+from tandem.models.diffusion_gemma_loader import DiffusionGemmaLoader
 from tandem.plugins.diffusion_denoise import step_generator_seed
+from tandem.schema.config import ConfigError, EngineConfig
 from tandem.stack_file import load_config
 from tandem.testing.engine import collect_outputs, make_request
 from tandem.testing.tiny_diffusion_gemma import DIFFUSION_GEMMA_CONFIGS, tiny_diffusion_gemma
@@ -146,7 +146,7 @@ def test_engine_tokens_equal_generate_with_the_same_noise(
 
 
 def test_loader_fills_limits_and_the_diffusion_defaults(checkpoint: Path) -> None:
-    from tandem.core.worker.diffusion_gemma import kv_bytes_per_token
+    from tandem.models.diffusion_gemma import kv_bytes_per_token
 
     config = resolve_config(load_config(EngineConfig(), model=str(checkpoint), block_size=4))
     from transformers import AutoConfig

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.core.worker.diffusion_gemma_context import DEFAULT_BUDGET
-from tandem.core.worker.diffusion_gemma_layers import (
+from tandem.models.diffusion_gemma_context import DEFAULT_BUDGET
+from tandem.models.diffusion_gemma_layers import (
     _grouped_mm_fits,
     moe_grouped,
     moe_reference,

@@ -18,9 +18,9 @@ import torch
 from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
 from tandem.core.worker.block_diffusion import is_block_diffusion
-from tandem.core.worker.diffusion_gemma import DiffusionGemmaModel
-from tandem.core.worker.diffusion_gemma_layers import moe_reference, route
-from tandem.core.worker.kv_layer_groups import KVPools, bytes_per_block, single_group
+from tandem.models.diffusion_gemma import DiffusionGemmaModel
+from tandem.models.diffusion_gemma_layers import moe_reference, route
+from tandem.models.kv_layer_groups import KVPools, bytes_per_block, single_group
 from tandem.testing.tiny_diffusion_gemma import (
     BLOCK,
     DIFFUSION_GEMMA_CONFIGS,

@@ -13,9 +13,9 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.config import EngineConfig
 from tandem.config_resolution import resolve_config
 from tandem.core.engine_core import EngineCore
+from tandem.schema.config import EngineConfig
 from tandem.stack_file import load_config
 from tandem.testing.engine import collect_outputs, make_request
 from tandem.testing.scripted_diffusion import (

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.core.worker import diffusion_gemma_attention
-from tandem.core.worker.diffusion_gemma_attention import grouped_decoder_attention
+from tandem.models import diffusion_gemma_attention
+from tandem.models.diffusion_gemma_attention import grouped_decoder_attention
 
 ROWS, LENGTH, HEADS, KV_HEADS, DIM, CONTEXT = 3, 5, 4, 2, 8, 7
 

@@ -11,7 +11,7 @@ import pytest
 
 from tandem.core.engine_core import EngineCore
 from tandem.core.outputs import EngineCoreOutput
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 from tandem.testing import collect_outputs, expected_scripted_output, make_request
 from tandem.testing import make_scripted_engine as make_engine
 

@@ -41,7 +41,6 @@ from typing import Any, cast
 import pytest
 import torch
 
-from tandem.config import EngineConfig
 from tandem.core import hookimpl
 from tandem.core.engine_core import EngineCore
 from tandem.core.model_runner_output import ModelRunnerOutput
@@ -50,6 +49,7 @@ from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.executors import InProcessExecutor
 from tandem.plugins.reference_scheduler import ReferenceScheduler
+from tandem.schema.config import EngineConfig
 from tandem.testing.engine import expected_scripted_output, make_request, scripted_config
 from tandem.testing.scripted_drafter import ScriptedDrafter
 from tandem.testing.stubs import CollectFuture

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tandem import LLM
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 from tandem.testing import (
     collect_outputs,
     expected_scripted_output,

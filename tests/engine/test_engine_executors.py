@@ -37,7 +37,7 @@ def _run(executor: str, async_scheduling: bool) -> dict[str, tuple[list[int], st
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_executor_gives_exact_outputs(executor: str, async_scheduling: bool) -> None:
     outputs = _run(executor, async_scheduling)
-    from tandem.sampling_params import SamplingParams
+    from tandem.schema.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):

@@ -8,7 +8,7 @@ import pytest
 from tandem.core.engine_core import EngineDeadError
 from tandem.core.plugin_manager import PluginConfigError
 from tandem.core.worker.executors import WorkerProcessError
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 from tandem.testing import (
     collect_outputs,
     expected_scripted_output,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.config import SimulatedDeviceConfig
 from tandem.core.worker.simulated_executor import SimulatedExecutor, modelled_step_seconds
-from tandem.sampling_params import SamplingParams
+from tandem.schema.config import SimulatedDeviceConfig
+from tandem.schema.sampling_params import SamplingParams
 from tandem.testing import (
     collect_outputs,
     expected_scripted_output,
@@ -56,8 +56,8 @@ def test_cost_model_is_the_slower_of_compute_and_memory() -> None:
 
 
 def test_simulated_executor_refuses_a_real_model() -> None:
-    from tandem.config import ConfigError
     from tandem.core.worker.simulated_executor import SimulatedExecutor as Sim
+    from tandem.schema.config import ConfigError
     from tandem.stack_file import load_config
 
     config = load_config(None, model="/nonexistent", executor="simulated")

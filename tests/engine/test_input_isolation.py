@@ -17,7 +17,7 @@ PROMPTS = {"a": [3, 4, 5, 6, 7], "b": [9] * 13, "c": [2, 7, 1, 8, 2, 8]}
 
 
 def expected(prompt: list[int]) -> tuple[list[int], str]:
-    from tandem.sampling_params import SamplingParams
+    from tandem.schema.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     return expected_scripted_output(prompt, params, 128, 1, 64)
@@ -101,9 +101,9 @@ def test_a_diffusion_request_whose_inputs_fail_ends_alone(async_scheduling: bool
     """The block-diffusion runner isolates input preparation the same way: the request
     with a seed past 64 bits ends with an error naming the seed, the others commit their
     scripted canvases and the engine serves the next request."""
-    from tandem.config import EngineConfig
     from tandem.config_resolution import resolve_config
     from tandem.core.engine_core import EngineCore
+    from tandem.schema.config import EngineConfig
     from tandem.stack_file import load_config
     from tandem.testing.scripted_diffusion import expected_scripted_diffusion_output
 

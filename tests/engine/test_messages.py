@@ -32,7 +32,7 @@ from tandem.engine.messages import (
     FromEngineCore,
     ToEngineCore,
 )
-from tandem.sampling_params import RequestOutputKind, SamplingParams
+from tandem.schema.sampling_params import RequestOutputKind, SamplingParams
 from tandem.testing import collect_outputs, make_request, make_scripted_engine
 
 PARAMS = SamplingParams(

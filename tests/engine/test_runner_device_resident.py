@@ -23,7 +23,7 @@ from tandem.core.model_runner_output import AsyncModelRunnerOutput, ModelRunnerO
 from tandem.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tandem.core.worker.model_runner import ModelRunner
 from tandem.core.worker.worker import Worker
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 from tandem.testing import scripted_config
 from tandem.testing.scripted_model import ScriptedModel, scripted_next_token
 

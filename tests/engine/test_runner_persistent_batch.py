@@ -25,7 +25,7 @@ from tandem.core.worker.flat_batch import prepare_flat_batch
 from tandem.core.worker.input_batch import InputBatch
 from tandem.core.worker.model_runner import ModelRunner
 from tandem.plugins.default_sampler import DefaultSampler
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 from tandem.testing import scripted_config
 from tandem.testing.scripted_model import ScriptedModel, scripted_next_token
 

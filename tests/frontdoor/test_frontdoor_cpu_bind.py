@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
-from tandem.config import ConfigError
 from tandem.config_resolution import resolve_config
 from tandem.core.worker.cpu_affinity import allowed_cpus, cpu_list, parse_cpu_list
+from tandem.schema.config import ConfigError
 from tandem.stack_file import load_config
 
 CPUS = allowed_cpus()

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.config import ConfigError
-from tandem.core.worker.model_files import (
+from tandem.models.model_files import (
     EMBEDDED_DEFAULTS_MARKER,
     EMBEDDED_DEFAULTS_VERSION,
     ensure_embedded_generation_config,
     generation_defaults,
 )
+from tandem.schema.config import ConfigError
 
 SMALL = {"max_model_len": 64, "num_kv_blocks": 64, "block_size": 4}
 PROMPTS = [[5, 6, 7, 8], [9, 10]]

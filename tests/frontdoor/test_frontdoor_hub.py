@@ -16,7 +16,7 @@ from frontdoor_helpers import HUB_ID, write_hub_snapshot
 
 from tandem import LLM, SamplingParams
 from tandem.cli import main as cli_main
-from tandem.config import ConfigError
+from tandem.schema.config import ConfigError
 
 SMALL = {"max_model_len": 64, "num_kv_blocks": 64, "block_size": 4}
 GREEDY = SamplingParams(temperature=0, max_tokens=4)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.sampling_params import SamplingParamsError
+from tandem.schema.sampling_params import SamplingParamsError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=3)
 

@@ -27,8 +27,8 @@ import random
 from typing import Any
 
 from tandem.engine import AsyncLLM
-from tandem.outputs import RequestOutput
-from tandem.sampling_params import RequestOutputKind, SamplingParams
+from tandem.schema.outputs import RequestOutput
+from tandem.schema.sampling_params import RequestOutputKind, SamplingParams
 from tandem.testing import expected_scripted_output
 
 #: A hang is a failure, not a stuck test run.

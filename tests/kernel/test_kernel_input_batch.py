@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tandem.core.worker.input_batch import InputBatch
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 
 
 def _params(t: float) -> SamplingParams:

@@ -17,10 +17,11 @@ from third_party_plugins import (
     expected_even_output,
 )
 
-from tandem.config import SpeculativeConfig, StructuredOutputConfig
 from tandem.core.plugin_manager import PluginConfigError
-from tandem.core.worker.model_loader import HFModelLoader, model_loader_for
+from tandem.core.worker.model_loader import model_loader_for
+from tandem.models.hf_loader import HFModelLoader
 from tandem.plugin_discovery import register_plugin, unregister_plugin
+from tandem.schema.config import SpeculativeConfig, StructuredOutputConfig
 from tandem.testing import collect_outputs, make_request, make_scripted_engine
 from tandem.testing.engine import expected_scripted_output
 from tandem.testing.scripted_loader import ScriptedModelLoader

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem import plugin_discovery
-from tandem.plugin_discovery import discover_plugins, plugin_entry_points
+from tandem.core import entry_points
+from tandem.core.entry_points import plugin_entry_points
+from tandem.plugin_discovery import discover_plugins
 
 
 def _write_dist(root: Path, name: str) -> None:
@@ -43,4 +44,4 @@ def test_a_directory_removed_from_sys_path_is_forgotten(tmp_path: Path) -> None:
     finally:
         sys.path.remove(str(tmp_path))
     assert "passing-plugin" not in discover_plugins()
-    assert plugin_discovery._scans.get(plugin_discovery.ENTRY_POINT_GROUP) is not None
+    assert entry_points._scans.get(entry_points.ENTRY_POINT_GROUP) is not None

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.config import EngineConfig
 from tandem.config_resolution import resolve_config
 from tandem.core import hookimpl
 from tandem.core.engine_core import EngineDeadError
@@ -23,6 +22,7 @@ from tandem.core.plugin_manager import PluginConfigError, PluginStartError, Tand
 from tandem.core.request import Request
 from tandem.core.waiting_queue import WaitingQueue
 from tandem.plugins.request_queue import FCFSQueue
+from tandem.schema.config import EngineConfig
 from tandem.stack_checks import _spec_manager, signature_errors
 from tandem.stack_file import load_config
 from tandem.testing import make_request, make_scripted_engine

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.config import ConfigError
 from tandem.core.plugin_manager import PluginConfigError
 from tandem.plugin_discovery import discover_plugins
+from tandem.schema.config import ConfigError
 from tandem.testing import collect_outputs, make_request, make_scripted_engine
 
 

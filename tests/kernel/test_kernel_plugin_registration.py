@@ -11,12 +11,12 @@ import pytest
 from third_party_plugins import EchoDrafter
 
 from tandem import LLM, SamplingParams
-from tandem.config import EngineConfig
 from tandem.core import hookimpl
 from tandem.core.plugin_manager import PluginConfigError, stack_of
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.plugin_discovery import discover_plugins, load_plugin_class
 from tandem.plugins.reference_scheduler import ReferenceScheduler
+from tandem.schema.config import EngineConfig
 from tandem.testing import TEST_PLUGINS, make_scripted_engine, make_scripted_llm
 from tandem.testing.engine import expected_scripted_output
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from tandem.config import ConfigError
 from tandem.config_resolution import resolve_config
 from tandem.core.engine_core import EngineCore
 from tandem.core.plugin_manager import PluginConfigError
+from tandem.schema.config import ConfigError
 from tandem.stack_file import load_config, yaml_key_lines
 
 HEADER = "model: {model: scripted, vocab_size: 64, max_model_len: 64}\n"

@@ -138,7 +138,7 @@ SMOL_MAX_MODEL_LEN = 1024
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The converted HF directory of the embedded SmolLM2 (converted once into the cache)."""
-    from tandem.core.worker.model_files import resolve_model_dir
+    from tandem.models.model_files import resolve_model_dir
 
     return resolve_model_dir("default")
 
@@ -162,7 +162,7 @@ def smollm2_llm(smollm2_dir: Path) -> Any:
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir: Path) -> Any:
-    from tandem.core.worker.model_files import load_tokenizer
+    from tandem.models.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_dir)
     assert tokenizer is not None, f"{smollm2_dir} has no tokenizer files"

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.core.worker.cpu_kernels import paged_decode_kernel
+from tandem.models.cpu_kernels import paged_decode_kernel
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None and shutil.which("c++") is None, reason="needs a C++ compiler"

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from tandem.core.worker import paged_attention as pa
-from tandem.core.worker.cpu_kernels import paged_decode_kernel
+from tandem.models import paged_attention as pa
+from tandem.models.cpu_kernels import paged_decode_kernel
 
 KERNEL = paged_decode_kernel()
 BLOCK, KV_HEADS, Q_HEADS, DIM = 16, 2, 4, 64

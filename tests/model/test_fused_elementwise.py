@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.core.worker.decoder_elementwise import (
+from tandem.llm import LLM
+from tandem.models.decoder_elementwise import (
     FusedElementwise,
     RotaryTable,
     TorchElementwise,
     pick_elementwise,
 )
-from tandem.core.worker.fused_ops import fused_ops
-from tandem.llm import LLM
-from tandem.sampling_params import SamplingParams
+from tandem.models.fused_ops import fused_ops
+from tandem.schema.sampling_params import SamplingParams
 from tandem.testing.tiny_model import TINY_VOCAB, tiny_config
 
 OPS = fused_ops()

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tandem.config import ConfigError
 from tandem.llm import LLM
-from tandem.sampling_params import SamplingParams
+from tandem.schema.config import ConfigError
+from tandem.schema.sampling_params import SamplingParams
 
 
 @pytest.fixture

@@ -18,14 +18,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.core.worker import cpu_features
-from tandem.core.worker.cpu_kernels import PagedDecodeKernel, paged_decode_kernel
-from tandem.core.worker.hf_model import HFStepModel
-from tandem.core.worker.linear_choice import cpu_bf16_linear
-from tandem.core.worker.packed_linear import PackedLinear
-from tandem.core.worker.panel_linear import Bf16Linear, F32PanelLinear
 from tandem.llm import LLM
-from tandem.sampling_params import SamplingParams
+from tandem.models import cpu_features
+from tandem.models.cpu_kernels import PagedDecodeKernel, paged_decode_kernel
+from tandem.models.hf_model import HFStepModel
+from tandem.models.linear_choice import cpu_bf16_linear
+from tandem.models.packed_linear import PackedLinear
+from tandem.models.panel_linear import Bf16Linear, F32PanelLinear
+from tandem.schema.sampling_params import SamplingParams
 from tandem.testing.teacher_forcing import teacher_forced_top1
 from tandem.testing.tiny_model import TINY_ARCHS, TINY_SEEDS, TINY_VOCAB, tiny_config
 
@@ -265,7 +265,7 @@ def test_auto_on_cpu_stays_float32(tiny_models: dict[str, Path]) -> None:
 def test_bf16_units_try_onednn_then_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """With bf16 units reported, oneDNN's bf16 reorder is tried; where it refuses (this CPU's
     oneDNN, or a stub), the weight-only `Bf16Linear` serves, float32 in and out."""
-    monkeypatch.setattr("tandem.core.worker.linear_choice.has_bf16_units", lambda: True)
+    monkeypatch.setattr("tandem.models.linear_choice.has_bf16_units", lambda: True)
     weight, bias = torch.randn(40, 24), torch.randn(40)
     linear = cpu_bf16_linear(weight.bfloat16(), bias)
     x = torch.randn(3, 24)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tandem import LLM
-from tandem.config import ConfigError
-from tandem.core.worker import cpu_features
-from tandem.core.worker.hf_model import resolve_dtype
-from tandem.core.worker.model_dtype import resolve_device
+from tandem.core.worker.device import resolve_device
+from tandem.models import cpu_features
+from tandem.models.hf_model import resolve_dtype
+from tandem.schema.config import ConfigError
 
 CPU = torch.device("cpu")
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tandem.llm import LLM
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 from tandem.testing.tiny_model import TINY_ARCHS, TINY_VOCAB
 
 ASYNC = [pytest.param(False, id="sync"), pytest.param(True, id="async")]

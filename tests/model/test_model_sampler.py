@@ -20,7 +20,7 @@ from tandem.core.worker.sampling_inputs import blocked_tokens
 from tandem.core.worker.sampling_metadata import SamplingMetadata
 from tandem.llm import LLM
 from tandem.plugins.default_sampler import DefaultSampler, apply_penalties
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 from tandem.stack_file import load_config
 from tandem.testing.tiny_model import TINY_VOCAB
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tandem.detokenizer import IncrementalDetokenizer
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 
 ASCII = "The quick brown fox jumps over the lazy dog."
 MULTIBYTE = "日本語のテキスト 🎉 café ñandú"

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.core.worker.hf_model import HFStepModel
-from tandem.core.worker.packed_linear import onednn_usable
 from tandem.llm import LLM
-from tandem.sampling_params import SamplingParams
+from tandem.models.hf_model import HFStepModel
+from tandem.models.packed_linear import onednn_usable
+from tandem.schema.sampling_params import SamplingParams
 from tandem.testing.tiny_model import TINY_ARCHS, TINY_SEEDS, TINY_VOCAB, tiny_config
 from tandem.testing.weight_storage import (
     parameter_bytes,

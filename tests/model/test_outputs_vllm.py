@@ -18,8 +18,8 @@ import torch
 
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.llm import LLM
-from tandem.outputs import Logprob, RequestOutput
-from tandem.sampling_params import RequestOutputKind, SamplingParams
+from tandem.schema.outputs import Logprob, RequestOutput
+from tandem.schema.sampling_params import RequestOutputKind, SamplingParams
 from tandem.testing.engine import make_scripted_llm
 from tandem.testing.scripted_model import scripted_logits, scripted_next_token
 

@@ -15,8 +15,8 @@ import shutil
 import pytest
 import torch
 
-from tandem.core.worker import panel_linear
-from tandem.core.worker.panel_linear import (
+from tandem.models import panel_linear
+from tandem.models.panel_linear import (
     Bf16Linear,
     F32PanelLinear,
     PanelLinear,

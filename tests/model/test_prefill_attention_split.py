@@ -14,8 +14,8 @@ from typing import cast
 import pytest
 import torch
 
-import tandem.core.worker.paged_attention as pa
-from tandem.core.worker.cpu_kernels import PagedDecodeKernel
+import tandem.models.paged_attention as pa
+from tandem.models.cpu_kernels import PagedDecodeKernel
 
 Q_HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 8, 4
 #: (cached prefix, chunk length) per request; chunks exceed MAX_SPAN_AS_DECODES. A

@@ -17,7 +17,7 @@ from tandem.core.worker.input_batch import InputBatch, seed_as_int64
 from tandem.core.worker.sampling_metadata import SamplingMetadata
 from tandem.llm import LLM
 from tandem.plugins.default_sampler import DefaultSampler
-from tandem.sampling_params import (
+from tandem.schema.sampling_params import (
     DEFAULT_MAX_LOGPROBS,
     MAX_N,
     SAMPLING_EPS,

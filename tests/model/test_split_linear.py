@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.core.worker.packed_linear import PackedLinear
-from tandem.core.worker.split_linear import SPLIT_MAX_ROWS, split_linear
+from tandem.models.packed_linear import PackedLinear
+from tandem.models.split_linear import SPLIT_MAX_ROWS, split_linear
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 64, SPLIT_MAX_ROWS, SPLIT_MAX_ROWS + 1])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tandem.llm import LLM
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 from tandem.testing.tiny_model import TINY_VOCAB
 
 

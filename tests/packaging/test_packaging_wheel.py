@@ -46,7 +46,7 @@ def test_wheel_maps_design_folders_to_subpackages_and_imports(tmp_path: Path) ->
         "tandem/__init__.py",
         "tandem/core/engine_core.py",
         "tandem/core/worker/model_runner.py",
-        "tandem/core/worker/csrc/paged_decode.cpp",  # compiled on first use
+        "tandem/models/csrc/paged_decode.cpp",  # compiled on first use
         "tandem/kv/kv_cache_manager.py",
         "tandem/plugins/reference_scheduler.py",
         "tandem/testing/pytest_plugin.py",

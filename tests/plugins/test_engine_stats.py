@@ -11,9 +11,9 @@ from typing import Any, cast
 
 from tandem.core.engine_core import EngineCore
 from tandem.plugins.reference_scheduler import ReferenceScheduler
+from tandem.schema.structured_outputs import StructuredOutputsParams
 from tandem.structured_output.backend import GrammarBackend
 from tandem.structured_output.manager import StructuredOutputManager
-from tandem.structured_outputs import StructuredOutputsParams
 from tandem.testing import collect_outputs, make_request, make_scripted_engine
 
 BLOCK = 4

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from tandem.config import EngineConfig
 from tandem.core import hookimpl
 from tandem.core.engine_core import IDLE_WAIT_S, EngineCore
 from tandem.core.plugin_manager import PluginConfigError, TandemPlugin
@@ -21,6 +20,7 @@ from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.waiting_queue import WaitingQueue
 from tandem.plugins.request_queue import KeyedQueue
+from tandem.schema.config import EngineConfig
 from tandem.testing import (
     collect_outputs,
     expected_scripted_output,

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from tandem import LLM
-from tandem.config import ConfigError
 from tandem.config_resolution import resolve_config
 from tandem.core.engine_core import EngineCore
 from tandem.core.outputs import EngineCoreOutput
-from tandem.sampling_params import SamplingParams, SamplingParamsError
+from tandem.schema.config import ConfigError
+from tandem.schema.sampling_params import SamplingParams, SamplingParamsError
 from tandem.stack_file import load_config
 from tandem.testing import (
     collect_outputs,

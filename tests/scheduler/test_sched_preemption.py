@@ -18,7 +18,7 @@ from tandem.core.outputs import EngineCoreOutput
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.plugins.reference_scheduler import ReferenceScheduler
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 from tandem.testing import (
     collect_outputs,
     expected_scripted_output,

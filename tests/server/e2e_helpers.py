@@ -314,7 +314,7 @@ def save_tiny_chat_model(directory: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tandem.core.worker.model_files import resolve_model_dir
+    from tandem.models.model_files import resolve_model_dir
     from tandem.testing.tiny_model import tiny_config
 
     source = resolve_model_dir("default")

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 from e2e_helpers import metric_values, running_server, scaled, sse_events, wait_for
 
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 from tandem.testing import expected_scripted_output
 
 #: The bound of every wait here on a quiet machine (each is `scaled`).

@@ -32,7 +32,7 @@ from e2e_helpers import (
 )
 
 from tandem import LLM
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 from tandem.testing import expected_scripted_output
 
 NUM_CLIENTS = 64

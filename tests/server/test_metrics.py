@@ -200,7 +200,7 @@ def test_render_metrics_finds_the_prometheus_logger_among_the_engines_loggers() 
 
 def test_a_real_async_llm_reports_its_requests_and_an_empty_kv_pool_when_idle() -> None:
     from tandem.engine import AsyncLLM
-    from tandem.sampling_params import SamplingParams
+    from tandem.schema.sampling_params import SamplingParams
 
     logger = PrometheusStatLogger(MODEL, max_model_len=256)
     engine = AsyncLLM(model="scripted", worker_num_threads=1, stat_loggers=[logger])

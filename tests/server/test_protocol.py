@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from tandem.engine.errors import EngineDeadError, QueueFullError
-from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tandem.sampling_params import RequestOutputKind, SamplingParams
+from tandem.schema.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tandem.schema.sampling_params import RequestOutputKind, SamplingParams
 from tandem.server.api_server import ServerSettings, build_app
 from tandem.server.budget import BudgetError, plan_budget
 from tandem.server.errors import APIError, from_exception, from_validation_error

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.request_builder import bad_words_token_ids
-from tandem.sampling_params import SamplingParams
+from tandem.schema.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tandem.schema.sampling_params import SamplingParams
 from tandem.server.api_server import ServerSettings, build_app
 from tandem.server.drain import Drain, guard_stream
 from tandem.server.errors import APIError
@@ -42,7 +42,7 @@ CHAT = {"messages": [{"role": "user", "content": "Name a colour."}]}
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
     """The embedded SmolLM2's tokenizer (byte-level BPE, with its chat template)."""
-    from tandem.core.worker.model_files import load_tokenizer, resolve_model_dir
+    from tandem.models.model_files import load_tokenizer, resolve_model_dir
 
     return load_tokenizer(resolve_model_dir("default"))
 

@@ -48,7 +48,7 @@ def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
     from tandem import LLM
-    from tandem.sampling_params import SamplingParams
+    from tandem.schema.sampling_params import SamplingParams
 
     llm = LLM(model=MODEL, worker_num_threads=1, **ENGINE)
     try:

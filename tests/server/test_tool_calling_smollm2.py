@@ -35,7 +35,7 @@ MODEL = "smollm2-tools"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    from tandem.core.worker.model_files import resolve_model_dir
+    from tandem.models.model_files import resolve_model_dir
 
     source = resolve_model_dir("default")
     model_dir = tmp_path_factory.mktemp("smollm2-tools")

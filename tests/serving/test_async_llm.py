@@ -13,7 +13,7 @@ import pytest
 
 from tandem import LLM
 from tandem.engine import AsyncLLM, EngineDeadError, QueueFullError, StreamOverflowError
-from tandem.sampling_params import RequestOutputKind, SamplingParams
+from tandem.schema.sampling_params import RequestOutputKind, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, output_kind=RequestOutputKind.DELTA)
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from tandem.engine import AsyncLLM
-from tandem.outputs import RequestOutput
-from tandem.sampling_params import RequestOutputKind, SamplingParams
+from tandem.schema.outputs import RequestOutput
+from tandem.schema.sampling_params import RequestOutputKind, SamplingParams
 from tandem.testing import expected_scripted_output
 
 #: A deadline that turns a hang into a failure (never reached by a passing test).

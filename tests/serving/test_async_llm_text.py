@@ -11,7 +11,7 @@ import pytest
 
 from tandem import LLM
 from tandem.engine import AsyncLLM
-from tandem.sampling_params import RequestOutputKind, SamplingParams
+from tandem.schema.sampling_params import RequestOutputKind, SamplingParams
 from tandem.testing.tiny_model import save_tiny_model, save_tiny_tokenizer
 
 PROMPTS = ["hello world", "the capital of France is", "a cat", "Paris is the capital of"]

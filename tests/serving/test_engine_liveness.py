@@ -14,7 +14,7 @@ import signal
 import pytest
 
 from tandem.engine import AsyncLLM, EngineDeadError
-from tandem.sampling_params import RequestOutputKind, SamplingParams
+from tandem.schema.sampling_params import RequestOutputKind, SamplingParams
 from tandem.testing import expected_scripted_output
 
 WAIT_S = 120.0

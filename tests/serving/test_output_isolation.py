@@ -8,7 +8,7 @@ from typing import Any
 
 from tandem.core.outputs import EngineCoreOutput
 from tandem.output_processor import OutputProcessor
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 
 
 class Tokenizer:

@@ -9,7 +9,7 @@ import pytest
 
 from tandem import LLM
 from tandem.engine import AsyncLLM
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 
 NEEDS_TOKENIZER = [{"stop": ["a"]}, {"stop": "a"}, {"bad_words": ["a"]}]
 

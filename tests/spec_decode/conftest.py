@@ -55,6 +55,6 @@ def unaligned_drafter(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The converted HF directory of the embedded SmolLM2 (converted once into the cache)."""
-    from tandem.core.worker.model_files import resolve_model_dir
+    from tandem.models.model_files import resolve_model_dir
 
     return resolve_model_dir("default")

@@ -10,7 +10,7 @@ from typing import Any
 from tandem.core import hookimpl
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.llm import LLM
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 from tandem.testing.tiny_model import TINY_VOCAB
 
 SYNC_AND_ASYNC_IDS = ["sync", "async"]

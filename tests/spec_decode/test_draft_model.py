@@ -110,7 +110,7 @@ def test_max_tokens_and_stop_tokens_inside_an_accepted_run(
 
 
 def test_missing_model_is_a_config_error(tiny_llama: Path) -> None:
-    from tandem.config import ConfigError
+    from tandem.schema.config import ConfigError
 
     with pytest.raises(ConfigError, match="speculative.model"):
         make_llm(
@@ -122,7 +122,7 @@ def test_missing_model_is_a_config_error(tiny_llama: Path) -> None:
 
 def test_smollm2_as_its_own_drafter_sync_and_async(smollm2_dir: Path) -> None:
     from tandem.llm import LLM
-    from tandem.sampling_params import SamplingParams
+    from tandem.schema.sampling_params import SamplingParams
 
     prompt = "Once upon a time, in a small village by the sea,"
     settings: dict[str, Any] = {

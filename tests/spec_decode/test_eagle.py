@@ -311,7 +311,7 @@ def test_draft_vocab_restricts_proposals(
 
 
 def test_missing_head_directory_is_a_config_error(tiny_llama: Path, tmp_path: Path) -> None:
-    from tandem.config import ConfigError
+    from tandem.schema.config import ConfigError
 
     with pytest.raises(ConfigError, match="not an EAGLE head checkpoint"):
         make_llm(tiny_llama, False, speculative_config=eagle(tmp_path))
@@ -324,7 +324,7 @@ def test_smollm2_random_head_keeps_greedy_outputs_sync_and_async(
     smollm2_dir: Path, tmp_path: Path
 ) -> None:
     from tandem.llm import LLM
-    from tandem.sampling_params import SamplingParams
+    from tandem.schema.sampling_params import SamplingParams
 
     head = save_random_eagle_head(smollm2_dir, tmp_path / "head", intermediate_size=256)
     prompts = ["The capital of France is"]

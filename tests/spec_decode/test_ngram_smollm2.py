@@ -17,7 +17,7 @@ import pytest
 
 from tandem import LLM, SamplingParams
 from tandem.core.outputs import EngineCoreOutput
-from tandem.outputs import RequestOutput
+from tandem.schema.outputs import RequestOutput
 
 PASSAGE = (
     "The old lighthouse stood on the rocky cliff above the harbour. Every night its keeper "

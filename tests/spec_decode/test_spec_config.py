@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from tandem.config import ConfigError
 from tandem.config_resolution import default_stack, resolve_config, resolve_stack
 from tandem.core.engine_core import EngineCore
+from tandem.schema.config import ConfigError
 from tandem.stack_file import load_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "stacks"

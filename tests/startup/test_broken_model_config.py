@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tandem.cli import main as cli_main
-from tandem.config import ConfigError
+from tandem.schema.config import ConfigError
 
 
 def _copy_with_config(source: Path, target: Path, text: str) -> Path:

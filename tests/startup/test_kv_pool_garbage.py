@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.core.worker.cpu_kernels import paged_decode_kernel
+from tandem.models.cpu_kernels import paged_decode_kernel
 
 PREFIX = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]  # 3 full blocks of 4, + 1
 PROMPTS = [PREFIX + list(range(40, 40 + k)) for k in (1, 3, 6, 9, 14, 22)]

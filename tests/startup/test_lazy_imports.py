@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-WATCHED = ("torch", "transformers", "tandem.core.worker.paged_attention")
+WATCHED = ("torch", "transformers", "tandem.models.paged_attention")
 
 
 def _loaded_after(code: str) -> list[str]:
@@ -31,7 +31,7 @@ def _loaded_after(code: str) -> list[str]:
 
 def test_plugins_list_loads_no_transformers() -> None:
     loaded = _loaded_after("from tandem.cli import main\nassert main(['plugins', 'list']) == 0")
-    assert "transformers" not in loaded and "tandem.core.worker.paged_attention" not in loaded
+    assert "transformers" not in loaded and "tandem.models.paged_attention" not in loaded
 
 
 def test_config_show_of_a_scripted_stack_loads_no_transformers(tmp_path: Path) -> None:
@@ -40,13 +40,13 @@ def test_config_show_of_a_scripted_stack_loads_no_transformers(tmp_path: Path) -
     loaded = _loaded_after(
         f"from tandem.cli import main\nassert main(['config', 'show', {str(stack)!r}]) == 0"
     )
-    assert "transformers" not in loaded and "tandem.core.worker.paged_attention" not in loaded
+    assert "transformers" not in loaded and "tandem.models.paged_attention" not in loaded
 
 
 def test_config_resolution_and_thread_checks_load_no_torch() -> None:
     code = (
         "import tandem.config_resolution\n"
-        "from tandem.config import EngineConfig\n"
+        "from tandem.schema.config import EngineConfig\n"
         "from tandem.core.worker.threads import resolve_worker_threads\n"
         "config = EngineConfig()\n"
         "config.parallel.cpu_bind = 'auto'\n"
@@ -57,10 +57,10 @@ def test_config_resolution_and_thread_checks_load_no_torch() -> None:
 
 def test_kv_pool_sizing_of_an_hf_model_loads_no_model_modules(tiny_llama_dir: Path) -> None:
     code = (
-        "from tandem.config import EngineConfig\n"
-        "from tandem.core.worker.model_loader import HFModelLoader\n"
+        "from tandem.schema.config import EngineConfig\n"
+        "from tandem.models.hf_loader import HFModelLoader\n"
         f"config = EngineConfig(model={{'model': {str(tiny_llama_dir)!r}}})\n"
         "HFModelLoader.resolve_limits(config)\n"
         "assert config.cache.num_kv_blocks and config.cache.num_kv_blocks > 0"
     )
-    assert "tandem.core.worker.paged_attention" not in _loaded_after(code)
+    assert "tandem.models.paged_attention" not in _loaded_after(code)

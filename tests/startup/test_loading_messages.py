@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.core.worker import model_files
+from tandem.models import model_files
 
 
 class _StopConversion(RuntimeError):

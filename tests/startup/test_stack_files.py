@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.config import ConfigError
-from tandem.core.worker.model_files import cache_root
+from tandem.schema.cache_dir import cache_root
+from tandem.schema.config import ConfigError
 from tandem.stack_file import load_config
 
 STACKS = Path(__file__).resolve().parents[2] / "examples" / "stacks"

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from tandem.config import EngineConfig, ModelConfig
+from tandem.schema.config import EngineConfig, ModelConfig
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from tandem.core.worker.model_files import resolve_model_dir
+    from tandem.models.model_files import resolve_model_dir
 
     return resolve_model_dir("default")
 
@@ -21,7 +21,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_config(smollm2_dir: Path) -> EngineConfig:
     """A config whose model fields are resolved as `resolve_config` would (vocab, EOS)."""
-    from tandem.core.worker.model_files import load_hf_config
+    from tandem.models.model_files import load_hf_config
 
     hf = load_hf_config(smollm2_dir)
     return EngineConfig(
@@ -36,7 +36,7 @@ def smollm2_config(smollm2_dir: Path) -> EngineConfig:
 
 @pytest.fixture(scope="session")
 def tokenizer(smollm2_dir: Path) -> Any:
-    from tandem.core.worker.model_files import load_tokenizer
+    from tandem.models.model_files import load_tokenizer
 
     return load_tokenizer(smollm2_dir)
 

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from so_helpers import BACKENDS, EOS, SCHEMA, allowed, fill
 
-from tandem.core.request import RequestRejectedError
+from tandem.schema.request_checks import RequestRejectedError
+from tandem.schema.structured_outputs import StructuredOutputsParams
 from tandem.structured_output.backend import allocate_bitmask
-from tandem.structured_outputs import StructuredOutputsParams
 
 
 def start(backends: dict[str, Any], name: str, **spec: Any) -> tuple[Any, Any]:

@@ -13,13 +13,14 @@ import torch
 from so_helpers import SCHEMA, allowed, fill
 
 from tandem import SamplingParams
-from tandem.config import EngineConfig
 from tandem.core.model_runner_output import ModelRunnerOutput
-from tandem.core.request import Request, RequestRejectedError
+from tandem.core.request import Request
 from tandem.core.scheduler_output import SchedulerOutput
+from tandem.schema.config import EngineConfig
+from tandem.schema.request_checks import RequestRejectedError
+from tandem.schema.structured_outputs import StructuredOutputsParams
 from tandem.structured_output.backend import allocate_bitmask
 from tandem.structured_output.manager import StructuredOutputManager
-from tandem.structured_outputs import StructuredOutputsParams
 
 VOCAB = 49152
 

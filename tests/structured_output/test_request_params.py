@@ -9,8 +9,8 @@ import pytest
 from pydantic import BaseModel
 
 from tandem import SamplingParams
-from tandem.sampling_params import SamplingParamsError
-from tandem.structured_outputs import StructuredOutputsParams
+from tandem.schema.sampling_params import SamplingParamsError
+from tandem.schema.structured_outputs import StructuredOutputsParams
 
 
 class Point(BaseModel):

@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 from so_helpers import BACKENDS, EOS
 
-from tandem.core.request import RequestRejectedError
-from tandem.structured_outputs import StructuredOutputsParams
+from tandem.schema.request_checks import RequestRejectedError
+from tandem.schema.structured_outputs import StructuredOutputsParams
 
 
 def obj(**properties: Any) -> dict[str, Any]:

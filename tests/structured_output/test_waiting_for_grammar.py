@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tandem.core import hookimpl
-from tandem.core.request import RequestRejectedError, RequestStatus
+from tandem.core.request import RequestStatus
+from tandem.schema.request_checks import RequestRejectedError
 from tandem.testing import collect_outputs, make_request, make_scripted_engine
 from tandem.testing.engine import expected_scripted_output
 

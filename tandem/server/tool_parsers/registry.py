@@ -15,7 +15,7 @@ run in the API server on the text the engine returns, so they do not go in a sta
 
 from __future__ import annotations
 
-from tandem.plugin_discovery import plugin_entry_points
+from tandem.core.entry_points import plugin_entry_points
 from tandem.server.tool_parsers.base import ToolParser
 
 TOOL_PARSER_GROUP = "tandem.tool_parsers"

@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
-from tandem.config import ConfigError
 from tandem.plugin_discovery import load_plugin_class
+from tandem.schema.config import ConfigError
 from tandem.testing.conformance.stack import StackUnderTest
 from tandem.testing.conformance.workloads import VOCAB, RequestSpec, Workload
 from tandem.testing.scripted_diffusion import scripted_canvas
@@ -57,7 +57,7 @@ NOT_APPLICABLE: Mapping[Kind, Mapping[str, str]] = {
         "step and, under async, runs only every other step, so its preemption counts are "
         "not comparable (the diffusion scheduler's own FCFS rule preempts one short request "
         "9 times in the async starve-decode workload)",
-        "min-tokens": "a diffusion model refuses min_tokens (tandem.diffusion_config: the "
+        "min-tokens": "a diffusion model refuses min_tokens (tandem.schema.diffusion_config: the "
         "denoising sampler cannot suppress EOS inside a canvas); the workloads run with "
         "min_tokens 0",
     },

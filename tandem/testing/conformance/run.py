@@ -8,7 +8,6 @@ from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.config import ConfigError
 from tandem.core import hookimpl
 from tandem.core.engine_core import EngineCore
 from tandem.core.outputs import EngineCoreOutput
@@ -17,6 +16,7 @@ from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.scheduler_state import SchedulerState
 from tandem.plugin_discovery import load_plugin_class
 from tandem.plugins.invariant_checker import InvariantViolation
+from tandem.schema.config import ConfigError
 from tandem.testing.conformance.kinds import (
     Kind,
     adapt_workload,

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tandem.config import ConfigError
 from tandem.plugin_discovery import load_plugin_class
+from tandem.schema.config import ConfigError
 
 
 @dataclass(frozen=True)

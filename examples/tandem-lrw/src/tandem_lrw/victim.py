@@ -35,10 +35,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
-from tandem.config import EngineConfig
 from tandem.core import hookimpl
 from tandem.core.plugin_manager import TandemPlugin
 from tandem.core.request import Request
+from tandem.schema.config import EngineConfig
 
 __all__ = ["LRWOptions", "LRWVictim", "remaining_work"]
 

@@ -50,12 +50,12 @@ from __future__ import annotations
 import math
 
 from pydantic import BaseModel, ConfigDict, Field
-from tandem.config import EngineConfig
 from tandem.core import hookimpl
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.plugin_manager import PluginConfigError, TandemPlugin
 from tandem.core.request import RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput
+from tandem.schema.config import EngineConfig
 
 from tandem_srpt.queue import SRPTQueue
 

@@ -11,18 +11,21 @@ from pathlib import Path
 
 import torch
 
-from tandem.core.worker.cpu_kernels import KERNEL_POOL_DTYPES, PagedDecodeKernel
+from tandem.core.worker import parallel_state
 from tandem.core.worker.flat_batch import FlatBatch
-from tandem.core.worker.fused_decoder import FusedDecoder, float32_compute
-from tandem.core.worker.linear_choice import Linear, cpu_bf16_linear, cpu_f32_linear
-from tandem.core.worker.model_dtype import (  # noqa: F401 - re-exported
+from tandem.core.worker.parallel_state import RankInfo, tp_all_gather
+from tandem.models.cpu_kernels import KERNEL_POOL_DTYPES, PagedDecodeKernel
+from tandem.models.fused_decoder import FusedDecoder, float32_compute, fused_linear
+from tandem.models.linear_choice import Linear, cpu_bf16_linear, cpu_f32_linear
+from tandem.models.model_dtype import (  # noqa: F401 - re-exported
     DTYPES,
     kv_bytes_per_token,
     resolve_dtype,
 )
-from tandem.core.worker.packed_linear import PackedLinear
-from tandem.core.worker.paged_attention import ATTENTION_NAME, build_metadata
-from tandem.core.worker.weight_release import own_remaining_parameters, release_parameters
+from tandem.models.packed_linear import PackedLinear
+from tandem.models.paged_attention import ATTENTION_NAME, build_metadata
+from tandem.models.tensor_parallel import check_divisible, vocab_shard
+from tandem.models.weight_release import own_remaining_parameters, release_parameters
 
 
 def _plain_lm_head(causal_lm: torch.nn.Module) -> PackedLinear:
@@ -75,6 +78,26 @@ def _take_lm_head(causal_lm: torch.nn.Module) -> PackedLinear | Linear:
     return packed if packed.packed is not None else _plain_lm_head(causal_lm)
 
 
+def _take_lm_head_shard(causal_lm: torch.nn.Module, rank: RankInfo) -> Linear:
+    """This rank's vocabulary rows of the LM head (`tensor_parallel.vocab_shard`), as the
+    decoder's own linears are built; the HF head is released unless tied to the embedding
+    (which stays whole: the embedding is replicated)."""
+    head = causal_lm.lm_head
+    tied = head.weight is causal_lm.get_input_embeddings().weight
+    with torch.no_grad():
+        weight = vocab_shard(head.weight, rank.tp_rank, rank.tp_size)
+        bias = (
+            vocab_shard(head.bias[:, None], rank.tp_rank, rank.tp_size)[:, 0]
+            if head.bias is not None
+            else None
+        )
+    linear = fused_linear(weight, bias, float32_compute(causal_lm))
+    if not tied:
+        release_parameters([head])
+    own_remaining_parameters(causal_lm)
+    return linear
+
+
 class HFStepModel:
     """With `keep_hidden_states` set (by a runner whose drafter reads them), `forward` also
     leaves the last hidden states after the final norm, `[T, hidden]` for every flattened
@@ -100,7 +123,7 @@ class HFStepModel:
         the KV pools in bfloat16 and computes in float32 (`fused_decoder.float32_compute`)."""
         from transformers import AutoModelForCausalLM
 
-        from tandem.core.worker.model_files import quiet_loading
+        from tandem.models.model_files import quiet_loading
 
         self.device = device
         self.block_size = block_size
@@ -111,17 +134,28 @@ class HFStepModel:
         self.model = loaded.to(device).eval()
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
-        self.fused = FusedDecoder(self.model) if fused else None
-        self.lm_head = _take_lm_head(self.model) if fused else _plain_lm_head(self.model)
+        #: This rank's place; with more than one tensor-parallel rank every layer, the KV
+        #: pool and the LM head hold this rank's shard (`tensor_parallel`).
+        self.rank = parallel_state.current()
+        tp_size = self.rank.tp_size
+        if tp_size > 1 and not fused:
+            raise ValueError("tensor parallelism needs the fused decoder (fused=True)")
+        check_divisible(cfg, tp_size)
+        self.fused = FusedDecoder(self.model, self.rank) if fused else None
+        if tp_size > 1:
+            self.lm_head = _take_lm_head_shard(self.model, self.rank)
+        else:
+            self.lm_head = _take_lm_head(self.model) if fused else _plain_lm_head(self.model)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         if decode_kernel is not None and (dtype not in KERNEL_POOL_DTYPES or device.type != "cpu"):
             raise ValueError("the CPU decode kernel needs float32 or bfloat16 on the CPU")
         self.decode_kernel = decode_kernel
         self.keep_hidden_states = False
         self.last_hidden_states: torch.Tensor | None = None
-        value_shape = (num_blocks, block_size, cfg.num_key_value_heads, head_dim)
+        kv_heads = cfg.num_key_value_heads // tp_size
+        value_shape = (num_blocks, block_size, kv_heads, head_dim)
         key_shape = (
-            (num_blocks, cfg.num_key_value_heads, head_dim, block_size)
+            (num_blocks, kv_heads, head_dim, block_size)
             if decode_kernel is not None
             else value_shape
         )
@@ -163,4 +197,7 @@ class HFStepModel:
         if self.keep_hidden_states:
             self.last_hidden_states = hidden
         sampled = hidden.index_select(0, batch.logits_indices)
-        return self.lm_head(sampled).float().contiguous()
+        logits = self.lm_head(sampled).float()
+        if self.rank.tp_size > 1:  # every rank gets the whole vocabulary's logits
+            logits = tp_all_gather(logits)[:, : self.vocab_size]
+        return logits.contiguous()

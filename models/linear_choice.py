@@ -33,10 +33,10 @@ from typing import Protocol
 
 import torch
 
-from tandem.core.worker import panel_linear
-from tandem.core.worker.cpu_features import has_bf16_units
-from tandem.core.worker.packed_linear import PackedLinear
-from tandem.core.worker.panel_linear import Bf16Linear, F32PanelLinear
+from tandem.models import panel_linear
+from tandem.models.cpu_features import has_bf16_units
+from tandem.models.packed_linear import PackedLinear
+from tandem.models.panel_linear import Bf16Linear, F32PanelLinear
 
 
 class Linear(Protocol):

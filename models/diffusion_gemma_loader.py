@@ -22,8 +22,8 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tandem.config import ConfigError, EngineConfig
-from tandem.diffusion_config import DiffusionConfig
+from tandem.schema.config import ConfigError, EngineConfig
+from tandem.schema.diffusion_config import DiffusionConfig
 
 MODEL_TYPE = "diffusion_gemma"
 
@@ -56,7 +56,7 @@ def generation_defaults(model_dir: Path, canvas_length: int) -> DiffusionConfig:
 
 
 def _device_and_dtype(model: Any) -> tuple[Any, Any]:
-    from tandem.core.worker.model_dtype import resolve_device, resolve_dtype
+    from tandem.models.model_dtype import resolve_device, resolve_dtype
 
     device = resolve_device(model.device)
     return device, resolve_dtype(model.dtype, device)
@@ -85,7 +85,7 @@ class DiffusionGemmaLoader:
     def resolve_limits(cls, config: EngineConfig) -> None:
         from transformers import AutoConfig
 
-        from tandem.core.worker.diffusion_gemma import kv_bytes_per_token
+        from tandem.models.diffusion_gemma import kv_bytes_per_token
 
         model = config.model
         model_dir = Path(model.model)
@@ -112,7 +112,7 @@ class DiffusionGemmaLoader:
 
     @classmethod
     def load(cls, config: EngineConfig):  # noqa: ANN206 - a DiffusionGemmaModel
-        from tandem.core.worker.diffusion_gemma import DiffusionGemmaModel
+        from tandem.models.diffusion_gemma import DiffusionGemmaModel
 
         assert config.cache.num_kv_blocks is not None
         device, dtype = _device_and_dtype(config.model)

@@ -23,14 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tandem.config import ConfigError
-
-
-def cache_root() -> Path:
-    """tandem's disk cache: `$TANDEM_CACHE`, default `~/.cache/tandem` (converted models,
-    compiled kernels, trained draft heads). A stack file can name it as `${TANDEM_CACHE}`."""
-    return Path(os.environ.get("TANDEM_CACHE") or Path.home() / ".cache" / "tandem")
-
+from tandem.schema.cache_dir import cache_root
+from tandem.schema.config import ConfigError
 
 logger = logging.getLogger("tandem.model")
 

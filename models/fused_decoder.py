@@ -23,18 +23,24 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.core.worker.decoder_elementwise import (
+from tandem.core.worker.parallel_state import RankInfo, tp_all_reduce
+from tandem.models.decoder_elementwise import (
     Elementwise,
     RotaryTable,
     TorchElementwise,
     pick_elementwise,
 )
-from tandem.core.worker.linear_choice import Linear, cpu_bf16_linear, cpu_f32_linear
-from tandem.core.worker.packed_linear import PackedLinear
-from tandem.core.worker.paged_attention import PagedAttentionMetadata, paged_attention
-from tandem.core.worker.weight_release import release_parameters
+from tandem.models.linear_choice import Linear, cpu_bf16_linear, cpu_f32_linear
+from tandem.models.packed_linear import PackedLinear
+from tandem.models.paged_attention import PagedAttentionMetadata, paged_attention
+from tandem.models.tensor_parallel import shard_cols, shard_rows
+from tandem.models.weight_release import release_parameters
 
 _TORCH = TorchElementwise()
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 @dataclass(slots=True)
@@ -94,6 +100,11 @@ def _cat_bias(*linears: torch.nn.Module) -> torch.Tensor | None:
     return torch.cat([linear.bias.detach() for linear in linears])
 
 
+def fused_linear(weight: torch.Tensor, bias: torch.Tensor | None, bf16_cpu: bool) -> Linear:
+    """A linear over a weight made for it (not the checkpoint's): as the layers' own."""
+    return _linear(weight, bias, True, bf16_cpu)
+
+
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, fresh: bool, bf16_cpu: bool) -> Linear:
     """The layer's linear over `weight` (`fresh`: a new tensor, not a view of the HF
     parameter): bfloat16 on CPU -> `cpu_bf16_linear` (float32 in and out); float32 on CPU
@@ -108,28 +119,51 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, fresh: bool, bf16_c
     return linear if fresh else _own_plain(linear)
 
 
-def _take_layer(layer_idx: int, layer: torch.nn.Module, bf16_cpu: bool = False) -> _Layer:
+def _take_layer(
+    layer_idx: int, layer: torch.nn.Module, bf16_cpu: bool = False, tp: RankInfo | None = None
+) -> _Layer:
     """The fused layer; the HF layer's own parameters are released (see the module doc).
-    `bf16_cpu`: bfloat16 weights computed in float32 (`float32_compute`)."""
+    `bf16_cpu`: bfloat16 weights computed in float32 (`float32_compute`). With `tp` of more
+    than one rank, this rank's shard (`tensor_parallel`)."""
     attn, mlp = layer.self_attn, layer.mlp
     norm_dtype = torch.float32 if bf16_cpu else None
     with torch.no_grad():
+        if tp is None or tp.tp_size == 1:
+            qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            qkv_b = _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)
+            o = _linear(attn.o_proj.weight, _owned_bias(attn.o_proj), False, bf16_cpu)
+            gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            gate_up_b = _cat_bias(mlp.gate_proj, mlp.up_proj)
+            down = _linear(mlp.down_proj.weight, _owned_bias(mlp.down_proj), False, bf16_cpu)
+        else:
+            r, n = tp.tp_rank, tp.tp_size
+            qkv_w = torch.cat(
+                [shard_rows(m.weight, r, n) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+            )
+            qkv_b = _cat_sharded_bias(r, n, attn.q_proj, attn.k_proj, attn.v_proj)
+            gate_up_w = torch.cat(
+                [shard_rows(m.weight, r, n) for m in (mlp.gate_proj, mlp.up_proj)]
+            )
+            gate_up_b = _cat_sharded_bias(r, n, mlp.gate_proj, mlp.up_proj)
+            # Row-parallel: each rank's partial sum; the bias is added once (rank 0).
+            o = _linear(
+                shard_cols(attn.o_proj.weight, r, n),
+                _owned_bias(attn.o_proj) if r == 0 else None,
+                True,
+                bf16_cpu,
+            )
+            down = _linear(
+                shard_cols(mlp.down_proj.weight, r, n),
+                _owned_bias(mlp.down_proj) if r == 0 else None,
+                True,
+                bf16_cpu,
+            )
         fused = _Layer(
             layer_idx=layer_idx,
-            qkv=_linear(
-                torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-                True,
-                bf16_cpu,
-            ),
-            o=_linear(attn.o_proj.weight, _owned_bias(attn.o_proj), False, bf16_cpu),
-            gate_up=_linear(
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                _cat_bias(mlp.gate_proj, mlp.up_proj),
-                True,
-                bf16_cpu,
-            ),
-            down=_linear(mlp.down_proj.weight, _owned_bias(mlp.down_proj), False, bf16_cpu),
+            qkv=_linear(qkv_w, qkv_b, True, bf16_cpu),
+            o=o,
+            gate_up=_linear(gate_up_w, gate_up_b, True, bf16_cpu),
+            down=down,
             ln_in=_owned(layer.input_layernorm.weight, norm_dtype),
             ln_post=_owned(layer.post_attention_layernorm.weight, norm_dtype),
             q_norm=_owned(attn.q_norm.weight, norm_dtype) if hasattr(attn, "q_norm") else None,
@@ -139,12 +173,31 @@ def _take_layer(layer_idx: int, layer: torch.nn.Module, bf16_cpu: bool = False) 
     return fused
 
 
+def _cat_sharded_bias(rank: int, size: int, *linears: torch.nn.Module) -> torch.Tensor | None:
+    """This rank's rows of the column-parallel linears' biases, concatenated (or None)."""
+    if all(m.bias is None for m in linears):
+        return None
+    return torch.cat(
+        [
+            shard_rows(m.bias, rank, size)
+            if m.bias is not None
+            else m.weight.new_zeros(m.weight.shape[0] // size)
+            for m in linears
+        ]
+    )
+
+
 class FusedDecoder:
     """Runs `model.model` (a LlamaModel-like module) for one flattened step."""
 
-    def __init__(self, causal_lm: torch.nn.Module) -> None:
+    def __init__(self, causal_lm: torch.nn.Module, tp: RankInfo | None = None) -> None:
+        """`tp`: this rank's place when the layers are split (`tensor_parallel`); its
+        heads are `num_attention_heads / tp_size` and `num_key_value_heads / tp_size`."""
         model = causal_lm.model
         cfg = causal_lm.config
+        tp_size = tp.tp_size if tp is not None else 1
+        #: Sum the row-parallel outputs over the ranks (identity on one rank).
+        self.reduce = tp_all_reduce if tp_size > 1 else _identity
         #: bfloat16 weights on CPU, float32 activations (see `float32_compute`).
         self.bf16_cpu = float32_compute(causal_lm)
         self.embed = _Float32Embedding(model.embed_tokens) if self.bf16_cpu else model.embed_tokens
@@ -153,11 +206,13 @@ class FusedDecoder:
             _owned(model.norm.weight, torch.float32) if self.bf16_cpu else model.norm.weight
         )
         self.eps = cfg.rms_norm_eps
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = cfg.num_attention_heads // tp_size
+        self.num_kv_heads = cfg.num_key_value_heads // tp_size
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scaling = self.head_dim**-0.5
-        self.layers = [_take_layer(i, layer, self.bf16_cpu) for i, layer in enumerate(model.layers)]
+        self.layers = [
+            _take_layer(i, layer, self.bf16_cpu, tp) for i, layer in enumerate(model.layers)
+        ]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self._elementwise_key: tuple[torch.device, torch.dtype] | None = None
@@ -205,10 +260,10 @@ class FusedDecoder:
                 scaling=self.scaling,
                 paged=meta,
             )
-            x = ew.add_rms_norm_(
-                h, layer.o(attn.reshape(tokens, self.q_size)), layer.ln_post, self.eps
-            )
-            x = ew.add_rms_norm_(h, layer.down(ew.silu_mul(layer.gate_up(x))), next_norm, self.eps)
+            o = self.reduce(layer.o(attn.reshape(tokens, self.q_size)))
+            x = ew.add_rms_norm_(h, o, layer.ln_post, self.eps)
+            down = self.reduce(layer.down(ew.silu_mul(layer.gate_up(x))))
+            x = ew.add_rms_norm_(h, down, next_norm, self.eps)
         return x if self.layers else ew.rms_norm(h, self.norm_weight, self.eps)
 
     def _norm_heads_(self, qkv: torch.Tensor, layer: _Layer, tokens: int) -> None:

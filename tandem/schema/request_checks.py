@@ -10,13 +10,35 @@ message names the request and the field.
 
 from __future__ import annotations
 
-from tandem.config import EngineConfig
-from tandem.core.request import Request, RequestRejectedError
-from tandem.diffusion_config import diffusion_request_problems
-from tandem.sampling_params import SamplingParams, SamplingParamsError, validate_for_model
+from typing import Protocol
+
+from tandem.schema.config import EngineConfig
+from tandem.schema.diffusion_config import diffusion_request_problems
+from tandem.schema.sampling_params import SamplingParams, SamplingParamsError, validate_for_model
 
 
-def check_request(request: Request, config: EngineConfig, has_grammar_backend: bool) -> None:
+class RequestRejectedError(ValueError):
+    """A plugin refused one request for a reason of its own (a schema its grammar backend
+    cannot compile, an unknown backend name). Front doors report it to that request only,
+    as `finish_reason == "error"`, and go on with the other requests."""
+
+
+class CheckedRequest(Protocol):
+    """What `check_request` reads of a request (the kernel's `Request` has it all)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+    @property
+    def use_structured_output(self) -> bool: ...
+
+
+def check_request(request: CheckedRequest, config: EngineConfig, has_grammar_backend: bool) -> None:
     """Raise TypeError or ValueError (`SamplingParamsError` for the parameters,
     `RequestRejectedError` for a constrained request on a stack with no grammar backend)
     for a request no step of an engine with this resolved `config` could run. A model of

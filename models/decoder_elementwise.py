@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from tandem.core.worker.fused_ops import FusedOps, fused_ops
+from tandem.models.fused_ops import FusedOps, fused_ops
 
 #: Rotary types whose cos/sin at a position depend on the sequence (transformers'
 #: `dynamic_rope_update`): computed per step, never tabled.

@@ -11,20 +11,10 @@ from typing import Any
 
 import torch
 
-from tandem.config import ConfigError
-from tandem.core.worker.cpu_features import warn_if_bf16_emulated
+from tandem.core.worker.device import resolve_device  # noqa: F401 - re-exported
+from tandem.models.cpu_features import warn_if_bf16_emulated
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    """`auto` is CUDA when torch sees a GPU, else the CPU; `cuda` without a GPU is refused
-    naming the setting."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("model.device: cuda was asked for, but torch sees no CUDA device")
-    return torch.device(name)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

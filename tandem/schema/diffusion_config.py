@@ -24,7 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from tandem.sampling_params import SamplingParams
+from tandem.schema.sampling_params import SamplingParams
 
 Acceptance = Literal["entropy", "confidence", "top_k"]
 

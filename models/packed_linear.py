@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.core.worker.cpu_features import has_bf16_units
-from tandem.core.worker.split_linear import split_linear
+from tandem.models.cpu_features import has_bf16_units
+from tandem.models.split_linear import split_linear
 
 #: The batch size oneDNN is told to expect when reordering (a hint; any row count works).
 PACK_ROWS_HINT = 64

@@ -13,16 +13,25 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from tandem.core.worker import native_build
 from tandem.core.worker.native_build import (  # noqa: F401 - re-exported
     COMPILE_FLAGS,
-    CSRC,
     LINK_FLAGS,
     build_library,
-    load_library,
 )
+
+#: The model kernels' C++ sources.
+CSRC = Path(__file__).resolve().parent / "csrc"
+
+
+def load_library(source: str, abi_symbol: str, abi: int, fallback: str) -> ctypes.CDLL | None:
+    """`csrc/<source>` of this package built and loaded (`native_build.load_library`)."""
+    return native_build.load_library(CSRC / source, abi_symbol, abi, fallback)
+
 
 #: The KV pool dtypes the decode kernel reads.
 KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16)

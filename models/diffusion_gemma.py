@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from tandem.core.worker.block_diffusion import DenoiseContext
-from tandem.core.worker.diffusion_gemma_attention import (
+from tandem.core.worker.flat_batch import FlatBatch
+from tandem.models.diffusion_gemma_attention import (
     KeyWindow,
     decoder_attention,
     decoder_window,
@@ -45,10 +46,9 @@ from tandem.core.worker.diffusion_gemma_attention import (
     grouped_decoder_attention,
     project_qkv,
 )
-from tandem.core.worker.diffusion_gemma_context import ContextCache, ContextGroup, row_windows
-from tandem.core.worker.diffusion_gemma_layers import Attend, attention_block, feed_forward
-from tandem.core.worker.flat_batch import FlatBatch
-from tandem.core.worker.kv_layer_groups import KVLayerGroup, KVPools, LayerKVShape, group_layers
+from tandem.models.diffusion_gemma_context import ContextCache, ContextGroup, row_windows
+from tandem.models.diffusion_gemma_layers import Attend, attention_block, feed_forward
+from tandem.models.kv_layer_groups import KVLayerGroup, KVPools, LayerKVShape, group_layers
 
 
 def kv_layer_groups(text_config) -> list[KVLayerGroup]:  # noqa: ANN001
@@ -65,7 +65,7 @@ def load_diffusion_gemma(model_dir: Path, dtype: torch.dtype, device: torch.devi
     """The transformers model, eval mode, on `device` (local files only)."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from tandem.core.worker.model_files import quiet_loading
+    from tandem.models.model_files import quiet_loading
 
     with quiet_loading():
         model = DiffusionGemmaForBlockDiffusion.from_pretrained(

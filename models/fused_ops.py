@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.core.worker.cpu_kernels import load_library
+from tandem.models.cpu_kernels import load_library
 
 logger = logging.getLogger("tandem.worker")
 

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from tandem.core.worker.cpu_kernels import PagedDecodeKernel
+from tandem.models.cpu_kernels import PagedDecodeKernel
 
 ATTENTION_NAME = "tandem_paged"
 

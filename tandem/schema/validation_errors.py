@@ -79,7 +79,7 @@ def format_validation_error(
         path = ".".join(str(p) for p in loc)
         at = where
         if key_lines:
-            from tandem.config import with_line
+            from tandem.schema.config import with_line
 
             at = with_line(where, key_lines, tuple(err["loc"]))
         got = err.get("input")

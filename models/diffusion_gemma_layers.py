@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tandem.core.worker.diffusion_gemma_attention import project_qkv
+from tandem.models.diffusion_gemma_attention import project_qkv
 
 #: attention callback: (query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, D]) -> [T, Hq, D]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -29,8 +29,8 @@ from pydantic import (
     model_validator,
 )
 
-from tandem.structured_outputs import StructuredOutputsParams
-from tandem.validation_errors import format_validation_error
+from tandem.schema.structured_outputs import StructuredOutputsParams
+from tandem.schema.validation_errors import format_validation_error
 
 __all__ = [
     "DEFAULT_MAX_LOGPROBS",

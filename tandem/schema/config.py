@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from tandem.diffusion_config import DiffusionConfig
+from tandem.schema.diffusion_config import DiffusionConfig
 
 
 class ConfigError(ValueError):
@@ -76,6 +76,12 @@ class SchedulerConfig(_Section):
     long_prefill_token_threshold: int = Field(0, ge=0, description="0 disables")
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     async_scheduling: bool | None = None
+    decode_stagger: int | None = Field(
+        None,
+        ge=1,
+        description="async scheduling: steps between two decodes of one request (the "
+        "specification's PP microbatching rule); null: pipeline_parallel_size",
+    )
 
 
 class CacheConfig(_Section):
@@ -136,7 +142,10 @@ class SimulatedDeviceConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """Where the model runs. Only `pipeline_parallel_size == 1` is implemented.
+    """Where the model runs: the executor (by its name in the entry-point group
+    `tandem.executors`, or a `module:Class` path) and the ranks. `tensor_parallel_size`
+    splits every layer across that many ranks (one process each, `mp` executor); only
+    `pipeline_parallel_size == 1` is implemented. `world_size` = tp x pp.
 
     `worker_num_threads`: the worker's torch (intra-op) threads. None resolves (in
     `resolve_config`) to `OMP_NUM_THREADS` when set, else the CPUs this process may run on
@@ -147,7 +156,15 @@ class ParallelConfig(_Section):
     `worker_num_threads`; not with `cpu_bind`, whose CPU list fixes the count).
     """
 
-    executor: Literal["inprocess", "thread", "process", "simulated"] = "inprocess"
+    executor: str = Field(
+        "inprocess",
+        description="where the worker runs: an installed executor's name (inprocess, thread, "
+        "process, simulated, mp) or a 'module:Class' path; with tensor_parallel_size > 1 and "
+        "no executor named, mp",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks each layer is split across (heads, columns, vocabulary)"
+    )
     pipeline_parallel_size: int = Field(1, ge=1, le=1)
     worker_num_threads: int | None = Field(
         None,
@@ -174,6 +191,11 @@ class ParallelConfig(_Section):
     @property
     def worker_threads_from(self) -> str:
         return self._threads_from
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 class PluginSpec(_Section):
@@ -222,7 +244,7 @@ class EngineConfig(_Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     speculative: SpeculativeConfig | None = None
-    #: Block-diffusion models (issue 15; `tandem.diffusion_config`); vLLM's key
+    #: Block-diffusion models (issue 15; `tandem.schema.diffusion_config`); vLLM's key
     #: `diffusion_config` is accepted as the same section.
     diffusion: DiffusionConfig | None = None
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
@@ -276,8 +298,11 @@ class EngineConfig(_Section):
 
     @property
     def max_concurrent_batches(self) -> int:
-        """2 under async scheduling (one step executing while the next is planned), else 1."""
-        return 2 if self.scheduler.async_scheduling else 1
+        """The batch queue's depth (the specification's V2-runner rule): pp_size + 1 under
+        async scheduling (one step per stage executing while the next is planned), else
+        pp_size."""
+        pp = self.parallel.pipeline_parallel_size
+        return pp + 1 if self.scheduler.async_scheduling else pp
 
 
 def with_line(

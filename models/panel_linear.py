@@ -32,7 +32,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from tandem.core.worker.cpu_kernels import load_library
+from tandem.models.cpu_kernels import load_library
 
 PANEL_GEMM_ABI = 1
 #: Output columns per packed panel.

@@ -1,0 +1,102 @@
+"""The `mp` executor: one worker process per rank on this host, in one process group."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from concurrent.futures import Future
+from typing import Any, ClassVar
+
+import torch
+
+from tandem.core.executor import Executor
+from tandem.core.messages import CallWorker, SampleTokens, TensorData, encode
+from tandem.core.model_runner_output import ModelRunnerOutput
+from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.worker.executors import WorkerProcess, encode_step
+from tandem.core.worker.parallel_state import RankInfo
+from tandem.schema.config import EngineConfig
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MultiprocExecutor(Executor):
+    """`parallel.world_size` worker processes on this host, one per rank, joined in one
+    torch.distributed group (gloo on CPU, NCCL on CUDA; rendezvous on 127.0.0.1).
+
+    Each step is encoded once and the same bytes go to every rank's pipe; every rank runs
+    the whole step (its shard of every layer, the same sampling), and the step's future
+    resolves with the driver's (rank 0's) output once every rank has answered. A rank that
+    raises or dies fails the step with an error naming the rank and host; the engine then
+    stops."""
+
+    max_world_size: ClassVar[int | None] = None
+
+    def __init__(self, config: EngineConfig) -> None:
+        parallel = config.parallel
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.ranks = [
+            RankInfo(
+                rank=r,
+                world_size=parallel.world_size,
+                tp_size=parallel.tensor_parallel_size,
+                pp_size=parallel.pipeline_parallel_size,
+                local_rank=r,
+            )
+            for r in range(parallel.world_size)
+        ]
+        self._workers = [
+            WorkerProcess(config, info.describe(), info, init_method) for info in self.ranks
+        ]
+        try:
+            for worker in self._workers:  # all spawned first: each blocks until all joined
+                worker.wait_started()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _broadcast(self, data: bytes) -> Future:
+        """Send `data` to every rank; the future holds rank 0's result once every rank has
+        answered, or the first rank error at once (a rank stuck in a collective with a dead
+        peer never answers; `shutdown` then ends it)."""
+        futures = [worker.send(data) for worker in self._workers]
+        combined: Future = Future()
+        lock = threading.Lock()
+
+        def done(future: Future) -> None:
+            with lock:
+                if combined.done():
+                    return
+                if future.exception() is not None:
+                    combined.set_exception(future.exception())
+                elif all(f.done() for f in futures):
+                    combined.set_result(futures[0].result())
+
+        for future in futures:
+            future.add_done_callback(done)
+        return combined
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[None]:
+        return self._broadcast(encode_step(scheduler_output))
+
+    def sample_tokens(self, grammar_bitmask: torch.Tensor | None) -> Future[ModelRunnerOutput]:
+        bitmask = TensorData.of(grammar_bitmask) if grammar_bitmask is not None else None
+        return self._broadcast(encode(SampleTokens(bitmask)))
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        data = encode(CallWorker(method, list(args)))
+        return [f.result() for f in [worker.send(data) for worker in self._workers]]
+
+    def shutdown(self) -> None:
+        """Stop every rank. When one has died, the others may be blocked in a collective
+        with it: they are terminated instead of waited for."""
+        if any(w.process.exitcode not in (None, 0) for w in self._workers):
+            for worker in self._workers:
+                if worker.process.is_alive():
+                    worker.process.terminate()
+        for worker in self._workers:
+            worker.shutdown()

@@ -1,0 +1,83 @@
+"""The Hugging Face model loader: HF directories, `.gguf` files (converted once), hub ids from
+the local hub cache, and `default` (the embedded SmolLM2), run paged by `HFStepModel`.
+Registered as the `hf` kind in the `tandem.model_loaders` entry-point group."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from tandem.core.worker.model_loader import HF_KIND
+from tandem.schema.config import EngineConfig
+
+if TYPE_CHECKING:
+    from tandem.core.worker.model_runner import StepModel
+
+
+class HFModelLoader:
+    """Hugging Face directories, `.gguf` files (converted once), hub ids from the local hub
+    cache, and `default` (the embedded SmolLM2): real transformers run paged."""
+
+    model_kinds: ClassVar[tuple[str, ...]] = (HF_KIND,)
+    has_tokenizer: ClassVar[bool] = True
+    #: Layers split by heads and columns across `parallel.tensor_parallel_size` ranks.
+    supports_tensor_parallel: ClassVar[bool] = True
+    simulatable: ClassVar[bool] = False
+
+    @classmethod
+    def resolve_limits(cls, config: EngineConfig) -> None:
+        """Vocabulary, EOS, max_model_len and the KV pool size from the model's files; the
+        model path becomes its resolved directory."""
+
+        from tandem.models.model_dtype import (
+            kv_bytes_per_token,
+            resolve_device,
+            resolve_dtype,
+        )
+        from tandem.models.model_files import load_hf_config, resolve_model_dir
+        from tandem.models.tensor_parallel import check_divisible
+
+        model = config.model
+        model_dir = resolve_model_dir(model.model, allow_download=model.allow_download)
+        model.model = str(model_dir)
+        hf = load_hf_config(model_dir)
+        check_divisible(hf, config.parallel.tensor_parallel_size)
+        model.vocab_size = hf.vocab_size
+        if model.eos_token_id is None:
+            eos = getattr(hf, "eos_token_id", None)
+            model.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        if model.max_model_len is None:
+            model.max_model_len = int(getattr(hf, "max_position_embeddings", 2048))
+        if config.cache.num_kv_blocks is None:
+            device = resolve_device(model.device)
+            per_token = kv_bytes_per_token(hf, resolve_dtype(model.dtype, device))
+            budget = int(config.cache.kv_cache_memory_gib * (1 << 30))
+            config.cache.num_kv_blocks = max(1, budget // (per_token * config.cache.block_size))
+            capacity = config.cache.num_kv_blocks * config.cache.block_size
+            model.max_model_len = min(model.max_model_len, capacity)
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> StepModel:
+        import torch
+
+        from tandem.models.cpu_kernels import paged_decode_kernel
+        from tandem.models.hf_model import HFStepModel
+        from tandem.models.model_dtype import resolve_device, resolve_dtype
+        from tandem.models.model_files import resolve_model_dir
+
+        device = resolve_device(config.model.device)
+        dtype = resolve_dtype(config.model.dtype, device)
+        # The decode kernel reads float32 and bfloat16 pools (issue 16 item 3).
+        use_kernel = (
+            config.model.attention == "auto"
+            and device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)
+        )
+        assert config.cache.num_kv_blocks is not None
+        return HFStepModel(
+            model_dir=resolve_model_dir(config.model.model),
+            dtype=dtype,
+            num_blocks=config.cache.num_kv_blocks,
+            block_size=config.cache.block_size,
+            device=device,
+            decode_kernel=paged_decode_kernel() if use_kernel else None,
+        )

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.core.worker.parallel_state import RankInfo, tp_all_reduce
+from tandem.core.worker.pipeline import PipelineLink
 from tandem.models.decoder_elementwise import (
     Elementwise,
     RotaryTable,
@@ -190,9 +191,19 @@ def _cat_sharded_bias(rank: int, size: int, *linears: torch.nn.Module) -> torch.
 class FusedDecoder:
     """Runs `model.model` (a LlamaModel-like module) for one flattened step."""
 
-    def __init__(self, causal_lm: torch.nn.Module, tp: RankInfo | None = None) -> None:
+    def __init__(
+        self,
+        causal_lm: torch.nn.Module,
+        tp: RankInfo | None = None,
+        stage: range | None = None,
+        link: PipelineLink | None = None,
+    ) -> None:
         """`tp`: this rank's place when the layers are split (`tensor_parallel`); its
-        heads are `num_attention_heads / tp_size` and `num_key_value_heads / tp_size`."""
+        heads are `num_attention_heads / tp_size` and `num_key_value_heads / tp_size`.
+        `stage`: the layers this pipeline stage runs (all by default), with `link` to the
+        neighbouring stages (`pipeline`): a stage after the first receives the residual
+        stream instead of embedding, a stage before the last sends it on and returns None.
+        Layers outside the stage are released, and local layer i attends with KV pool i."""
         model = causal_lm.model
         cfg = causal_lm.config
         tp_size = tp.tp_size if tp is not None else 1
@@ -210,9 +221,21 @@ class FusedDecoder:
         self.num_kv_heads = cfg.num_key_value_heads // tp_size
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scaling = self.head_dim**-0.5
+        stage = stage if stage is not None else range(len(model.layers))
+        self.link = link
         self.layers = [
-            _take_layer(i, layer, self.bf16_cpu, tp) for i, layer in enumerate(model.layers)
+            _take_layer(i, model.layers[j], self.bf16_cpu, tp) for i, j in enumerate(stage)
         ]
+        release_parameters(
+            m for j, layer in enumerate(model.layers) if j not in stage for m in layer.modules()
+        )
+        #: The residual stream's dtype (what crosses between stages) and width.
+        self.hidden_dtype = torch.float32 if self.bf16_cpu else model.embed_tokens.weight.dtype
+        self.hidden_size = cfg.hidden_size
+        #: A stage before the last ends without the final norm (its output is not used).
+        self._stage_end_norm = torch.ones(
+            cfg.hidden_size, dtype=self.norm_weight.dtype, device=self.norm_weight.device
+        )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self._elementwise_key: tuple[torch.device, torch.dtype] | None = None
@@ -228,18 +251,27 @@ class FusedDecoder:
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata
-    ) -> torch.Tensor:
-        """Hidden states `[T, hidden]` after the final norm.
+    ) -> torch.Tensor | None:
+        """Hidden states `[T, hidden]` after the final norm (None on a pipeline stage
+        before the last, which sends its residual stream on instead).
 
         Per layer: QKV projection, RoPE in place on its output, paged attention, O
         projection added to the residual stream together with the next RMS norm, gate/up
         projection, SiLU * up, down projection added likewise (the last one with the
         final norm)."""
-        h = self.embed(input_ids)
+        link = self.link
+        if link is None or link.is_first:
+            h = self.embed(input_ids)
+        else:
+            h = link.recv_hidden(
+                torch.empty((input_ids.shape[0], self.hidden_size), dtype=self.hidden_dtype)
+            )
         ew = self._elementwise_for(h)
         rope_rows = self.rotary_table.rows_for(positions)
         tokens = h.shape[0]
-        norm_weights = [layer.ln_in for layer in self.layers[1:]] + [self.norm_weight]
+        last = link is None or link.is_last
+        final_norm = self.norm_weight if last else self._stage_end_norm
+        norm_weights = [layer.ln_in for layer in self.layers[1:]] + [final_norm]
         x = ew.rms_norm(h, self.layers[0].ln_in, self.eps) if self.layers else h
         for layer, next_norm in zip(self.layers, norm_weights, strict=True):
             qkv = layer.qkv(x).contiguous()
@@ -264,6 +296,10 @@ class FusedDecoder:
             x = ew.add_rms_norm_(h, o, layer.ln_post, self.eps)
             down = self.reduce(layer.down(ew.silu_mul(layer.gate_up(x))))
             x = ew.add_rms_norm_(h, down, next_norm, self.eps)
+        if not last:
+            assert link is not None
+            link.send_hidden(h)
+            return None
         return x if self.layers else ew.rms_norm(h, self.norm_weight, self.eps)
 
     def _norm_heads_(self, qkv: torch.Tensor, layer: _Layer, tokens: int) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from tandem.core.worker.model_loader import HF_KIND
-from tandem.schema.config import EngineConfig
+from tandem.schema.config import ConfigError, EngineConfig
 
 if TYPE_CHECKING:
     from tandem.core.worker.model_runner import StepModel
@@ -21,6 +21,8 @@ class HFModelLoader:
     has_tokenizer: ClassVar[bool] = True
     #: Layers split by heads and columns across `parallel.tensor_parallel_size` ranks.
     supports_tensor_parallel: ClassVar[bool] = True
+    #: Layers run as consecutive pipeline stages (`pipeline.stage_layers`).
+    supports_pipeline_parallel: ClassVar[bool] = True
     simulatable: ClassVar[bool] = False
 
     @classmethod
@@ -28,6 +30,7 @@ class HFModelLoader:
         """Vocabulary, EOS, max_model_len and the KV pool size from the model's files; the
         model path becomes its resolved directory."""
 
+        from tandem.core.worker.pipeline import stage_layers
         from tandem.models.model_dtype import (
             kv_bytes_per_token,
             resolve_device,
@@ -41,6 +44,17 @@ class HFModelLoader:
         model.model = str(model_dir)
         hf = load_hf_config(model_dir)
         check_divisible(hf, config.parallel.tensor_parallel_size)
+        parallel = config.parallel
+        if parallel.pipeline_parallel_size > 1:
+            try:
+                stage_layers(
+                    hf.num_hidden_layers,
+                    parallel.pipeline_parallel_size,
+                    0,
+                    parallel.pp_layer_partition,
+                )
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         model.vocab_size = hf.vocab_size
         if model.eos_token_id is None:
             eos = getattr(hf, "eos_token_id", None)
@@ -80,4 +94,5 @@ class HFModelLoader:
             block_size=config.cache.block_size,
             device=device,
             decode_kernel=paged_decode_kernel() if use_kernel else None,
+            layer_partition=config.parallel.pp_layer_partition,
         )

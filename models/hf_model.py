@@ -14,6 +14,7 @@ import torch
 from tandem.core.worker import parallel_state
 from tandem.core.worker.flat_batch import FlatBatch
 from tandem.core.worker.parallel_state import RankInfo, tp_all_gather
+from tandem.core.worker.pipeline import PipelineLink, stage_layers
 from tandem.models.cpu_kernels import KERNEL_POOL_DTYPES, PagedDecodeKernel
 from tandem.models.fused_decoder import FusedDecoder, float32_compute, fused_linear
 from tandem.models.linear_choice import Linear, cpu_bf16_linear, cpu_f32_linear
@@ -117,6 +118,7 @@ class HFStepModel:
         device: torch.device,
         fused: bool = True,
         decode_kernel: PagedDecodeKernel | None = None,
+        layer_partition: list[int] | None = None,
     ) -> None:
         """`decode_kernel` (CPU, float32 or bfloat16) attends decodes in place; the key pools
         are then laid out for it, transposed per block. bfloat16 on CPU keeps weights and
@@ -141,8 +143,23 @@ class HFStepModel:
         if tp_size > 1 and not fused:
             raise ValueError("tensor parallelism needs the fused decoder (fused=True)")
         check_divisible(cfg, tp_size)
-        self.fused = FusedDecoder(self.model, self.rank) if fused else None
-        if tp_size > 1:
+        #: Pipeline stages: this stage's layers and its link to the neighbouring stages.
+        self.link = PipelineLink(self.rank) if self.rank.pp_size > 1 else None
+        stage = stage_layers(
+            cfg.num_hidden_layers, self.rank.pp_size, self.rank.pp_rank, layer_partition
+        )
+        if self.link is not None and not fused:
+            raise ValueError("pipeline parallelism needs the fused decoder (fused=True)")
+        self.fused = FusedDecoder(self.model, self.rank, stage, self.link) if fused else None
+        #: Whether this rank computes logits (the last pipeline stage; every rank without).
+        self.has_logits = self.link is None or self.link.is_last
+        self.lm_head: PackedLinear | Linear | None
+        if not self.has_logits:
+            self.lm_head = None
+            if self.model.lm_head.weight is not self.model.get_input_embeddings().weight:
+                release_parameters([self.model.lm_head])
+            own_remaining_parameters(self.model)
+        elif tp_size > 1:
             self.lm_head = _take_lm_head_shard(self.model, self.rank)
         else:
             self.lm_head = _take_lm_head(self.model) if fused else _plain_lm_head(self.model)
@@ -167,11 +184,13 @@ class HFStepModel:
                 torch.empty(key_shape, dtype=dtype, device=device),
                 torch.empty(value_shape, dtype=dtype, device=device),
             )
-            for _ in range(cfg.num_hidden_layers)
+            for _ in stage
         ]
 
     @torch.inference_mode()
-    def forward(self, batch: FlatBatch) -> torch.Tensor:
+    def forward(self, batch: FlatBatch) -> torch.Tensor | None:
+        """The logits at `batch.logits_indices`, float32 `[S, V]`; None on a pipeline stage
+        before the last (it sends its residual stream to the next stage)."""
         qsl = batch.query_start_loc.tolist()
         seq_lens = batch.seq_lens.tolist()
         starts = [seq_lens[r] - (qsl[r + 1] - qsl[r]) for r in range(len(seq_lens))]
@@ -194,6 +213,8 @@ class HFStepModel:
                 use_cache=False,
                 paged=meta,
             ).last_hidden_state[0]
+        if hidden is None or self.lm_head is None:
+            return None
         if self.keep_hidden_states:
             self.last_hidden_states = hidden
         sampled = hidden.index_select(0, batch.logits_indices)

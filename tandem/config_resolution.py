@@ -321,8 +321,6 @@ def _resolve_async(config: EngineConfig, executor_supports_async: bool) -> bool:
     requested, incompatible, entries = config.scheduler.async_scheduling, None, None
     if not executor_supports_async:
         incompatible = f"executor {config.parallel.executor!r} without async scheduling support"
-    elif config.parallel.pipeline_parallel_size > 1:
-        incompatible = "pipeline parallelism"
     elif config.speculative is not None and requested is not False:
         entries = _base_entries(config, config.source)
         incompatible = async_incompatibility(ResolvedStack(tuple(entries)))
@@ -339,8 +337,9 @@ def _resolve_async(config: EngineConfig, executor_supports_async: bool) -> bool:
 
 def _resolve_parallel(config: EngineConfig, loader: type) -> None:
     """Ranks: more than one picks the `mp` executor unless one is named, which must run
-    that many ranks; the model's loader must declare `supports_tensor_parallel`; what does
-    not combine with ranks yet is refused naming both keys."""
+    that many ranks; the model's loader must declare `supports_tensor_parallel` /
+    `supports_pipeline_parallel`; what does not combine with ranks yet is refused naming
+    both keys."""
     parallel = config.parallel
     world = parallel.world_size
     if world == 1:
@@ -350,14 +349,15 @@ def _resolve_parallel(config: EngineConfig, loader: type) -> None:
     cls = executor_class(parallel.executor)
     if cls.max_world_size is not None and world > cls.max_world_size:
         raise ConfigError(
-            f"parallel.tensor_parallel_size: {world} ranks need a multi-rank executor; "
+            f"parallel.world_size: {world} ranks (tensor_parallel_size x "
+            "pipeline_parallel_size) need a multi-rank executor; "
             f"parallel.executor {parallel.executor!r} runs at most {cls.max_world_size} "
             "(use 'mp')"
         )
     if parallel.cpu_bind != "none":
         raise ConfigError(
             "parallel.cpu_bind: pinning is per process and is not supported with "
-            f"parallel.tensor_parallel_size {parallel.tensor_parallel_size} (leave it 'none')"
+            f"parallel.world_size {world} (leave it 'none')"
         )
     if parallel.tensor_parallel_size > 1 and not getattr(loader, "supports_tensor_parallel", False):
         raise ConfigError(
@@ -365,7 +365,19 @@ def _resolve_parallel(config: EngineConfig, loader: type) -> None:
             f"the model loader of model.model {config.model.model!r} ({loader.__name__} does "
             "not declare supports_tensor_parallel)"
         )
+    pp = parallel.pipeline_parallel_size
+    if pp > 1 and not getattr(loader, "supports_pipeline_parallel", False):
+        raise ConfigError(
+            f"parallel.pipeline_parallel_size: {pp} is not supported by the model loader of "
+            f"model.model {config.model.model!r} ({loader.__name__} does not declare "
+            "supports_pipeline_parallel)"
+        )
     spec = config.speculative
+    if spec is not None and pp > 1:
+        raise ConfigError(
+            f"speculative.method: {spec.method!r} is not supported with "
+            f"parallel.pipeline_parallel_size {pp} (drafts do not cross stages yet)"
+        )
     if spec is not None and spec.method != "ngram":
         raise ConfigError(
             f"speculative.method: {spec.method!r} reads the target model's layers, which "

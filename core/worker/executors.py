@@ -115,7 +115,11 @@ def _worker_error(worker: Worker) -> WorkerError:
 
 
 def _worker_main(
-    config: EngineConfig, conn: Connection, rank: RankInfo | None, init_method: str | None
+    config: EngineConfig,
+    conn: Connection,
+    rank: RankInfo | None,
+    init_method: str | None,
+    shm_path: str | None = None,
 ) -> None:
     """A worker process: join the process group (a rank of a multi-rank executor), build the
     worker, then answer messages in order until `Shutdown` or the pipe closes. Only the
@@ -124,7 +128,8 @@ def _worker_main(
     try:
         if rank is not None:
             assert init_method is not None
-            parallel_state.initialize(rank, init_method, resolve_device(config.model.device))
+            device = resolve_device(config.model.device)
+            parallel_state.initialize(rank, init_method, device, shm_path)
             # Every rank draws the same unseeded samples: the same seed, the same calls.
             torch.manual_seed(config.model.seed)
         worker = Worker(config)
@@ -172,13 +177,14 @@ class WorkerProcess:
         name: str,
         rank: RankInfo | None = None,
         init_method: str | None = None,
+        shm_path: str | None = None,
     ) -> None:
         context = mp.get_context("spawn")
         self.name = name
         self._conn, child = context.Pipe()
         self.process = context.Process(
             target=_worker_main,
-            args=(config, child, rank, init_method),
+            args=(config, child, rank, init_method, shm_path),
             name=f"tandem-{name.replace(' ', '-')}",
             daemon=True,
         )

@@ -18,6 +18,7 @@ A `StepModel` does the math: the scripted test model or a real transformer.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Protocol
 
 import torch
@@ -28,6 +29,7 @@ from tandem.core.model_runner_output import (
     SamplerOutput,
 )
 from tandem.core.scheduler_output import CachedRequestData, SchedulerOutput
+from tandem.core.worker import parallel_state
 from tandem.core.worker.async_output import DeviceOutputs
 from tandem.core.worker.draft_context import DraftContext
 from tandem.core.worker.drafts import DraftStore
@@ -35,6 +37,7 @@ from tandem.core.worker.flat_batch import FlatBatch, prepare_flat_batch
 from tandem.core.worker.host_tensors import host_int64
 from tandem.core.worker.input_batch import InputBatch
 from tandem.core.worker.logprobs import PromptLogprobs, logprobs_per_request
+from tandem.core.worker.pipeline import AwaitedStep, PipelineLink
 from tandem.core.worker.sample_isolation import sample_isolating_failures
 from tandem.core.worker.sampling_inputs import (
     build_sampling_metadata,
@@ -98,9 +101,17 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_reqs=max_num_reqs)  # grows by doubling
         self.drafts = DraftStore(num_spec_tokens)
         self.prompt_logprobs = PromptLogprobs()
+        rank = parallel_state.current()
+        #: Pipeline stages (`pipeline.py`): the last samples and sends the ids back; an
+        #: earlier stage applies each step's ids once a later step needs them (`_awaiting`).
+        self.pipeline = PipelineLink(rank) if rank.pp_size > 1 else None
+        self.samples = self.pipeline is None or self.pipeline.is_last
+        self._awaiting: deque[AwaitedStep] = deque()
         #: Sampled ids stay on the device between steps (no drafter: drafters read them).
         self.device_outputs = (
-            DeviceOutputs(model.device) if async_scheduling and num_spec_tokens == 0 else None
+            DeviceOutputs(model.device)
+            if async_scheduling and num_spec_tokens == 0 and self.samples
+            else None
         )
         #: Executed, not yet sampled steps: (output, batch, logits, hidden states or None,
         #: the requests whose inputs failed in that step with the reason).
@@ -199,6 +210,9 @@ class ModelRunner:
         )
 
     def execute_model(self, so: SchedulerOutput) -> None:
+        if not self.samples:  # ids a request of this step may read were sampled by now
+            assert self.pipeline is not None
+            self._apply_received(up_to_step=so.step_id - self.pipeline.info.pp_size)
         failed_inputs = self._update_states(so)
         batch = self._prepare_inputs(so)
         if self.device_outputs is not None:
@@ -212,6 +226,8 @@ class ModelRunner:
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         """The model's logits at the sampled rows. For requests collecting prompt logprobs,
         the logits of this chunk's prompt positions are computed in the same forward."""
+        if not self.samples:  # a pipeline stage before the last: no logits here
+            return self.model.forward(batch)
         ib = self.input_batch
         wanted, extra = self.prompt_logprobs.extra_logits_rows(
             batch, {r: ib.states[r].num_prompt_tokens for r in self.prompt_logprobs.chunks}
@@ -242,6 +258,8 @@ class ModelRunner:
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         so, batch, logits, hidden, failed_inputs = self._pending.pop(0)
         sampling = [batch.req_ids[r] for r in batch.sample_req_indices]
+        if not self.samples:
+            return self._await_sampled(so, batch, sampling, failed_inputs)
         prompt_logprobs = self.prompt_logprobs.take(sampling)
         result: SamplerOutput | None = None
         failures: dict[int, str] = {}
@@ -251,6 +269,10 @@ class ModelRunner:
                     so, batch, grammar_bitmask, self.model.device
                 )
             result, failures = self._sample(batch, logits, grammar_bitmask)
+            if self.pipeline is not None:  # to the earlier stages, failures flagged
+                flags = torch.zeros((len(sampling), 1), dtype=torch.int64)
+                flags[list(failures)] = 1
+                self.pipeline.send_sampled(torch.cat([result.sampled_token_ids.cpu(), flags], 1))
         states = self.input_batch.states
         num_top = [
             None
@@ -295,6 +317,29 @@ class ModelRunner:
             failed={**failed, **draft_failures},
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _await_sampled(
+        self, so: SchedulerOutput, batch: FlatBatch, sampling: list[str], failed: dict[str, str]
+    ) -> ModelRunnerOutput:
+        """A stage before the last: post the receive of this step's sampled ids from the
+        last stage and return at once (the engine reads the last stage's output)."""
+        assert self.pipeline is not None
+        self.prompt_logprobs.take(sampling)
+        work = self.pipeline.post_recv_sampled(len(sampling), 2) if sampling else None
+        self._awaiting.append(AwaitedStep(so.step_id, batch, sampling, work))
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
+            sampled_token_ids=[[] for _ in batch.req_ids],
+            failed=failed,
+        )
+
+    def _apply_received(self, up_to_step: int) -> None:
+        """Append the last stage's sampled ids of every awaited step up to `up_to_step`
+        to the input batch, in step order, for the requests still in it (a request
+        finished or preempted since has left). Waits for ids still in flight."""
+        while self._awaiting and self._awaiting[0].step_id <= up_to_step:
+            self._awaiting.popleft().apply(self.input_batch)
 
     def _sample(
         self, batch: FlatBatch, logits: torch.Tensor, grammar_bitmask: torch.Tensor | None

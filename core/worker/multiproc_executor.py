@@ -15,6 +15,7 @@ from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.executors import WorkerProcess, encode_step
 from tandem.core.worker.parallel_state import RankInfo
+from tandem.core.worker.shm_all_reduce import create_shm_file
 from tandem.schema.config import EngineConfig
 
 
@@ -49,8 +50,17 @@ class MultiprocExecutor(Executor):
             )
             for r in range(parallel.world_size)
         ]
+        #: The rank whose sampled output the engine receives (the last stage's tp rank 0).
+        self._driver = self.ranks[0].driver_rank
+        #: The shared-memory all-reduce file (one stage of tensor-parallel ranks on CPU).
+        self._shm = (
+            create_shm_file(parallel.tensor_parallel_size)
+            if parallel.tensor_parallel_size > 1 and parallel.pipeline_parallel_size == 1
+            else None
+        )
+        shm = str(self._shm) if self._shm is not None else None
         self._workers = [
-            WorkerProcess(config, info.describe(), info, init_method) for info in self.ranks
+            WorkerProcess(config, info.describe(), info, init_method, shm) for info in self.ranks
         ]
         try:
             for worker in self._workers:  # all spawned first: each blocks until all joined
@@ -74,7 +84,7 @@ class MultiprocExecutor(Executor):
                 if future.exception() is not None:
                     combined.set_exception(future.exception())
                 elif all(f.done() for f in futures):
-                    combined.set_result(futures[0].result())
+                    combined.set_result(futures[self._driver].result())
 
         for future in futures:
             future.add_done_callback(done)
@@ -100,3 +110,5 @@ class MultiprocExecutor(Executor):
                     worker.process.terminate()
         for worker in self._workers:
             worker.shutdown()
+        if self._shm is not None:
+            self._shm.unlink(missing_ok=True)

@@ -6,7 +6,8 @@ built; everything else (the single-rank executors, tests, the front door) sees t
 tp-major within a pipeline stage: `rank = pp_rank * tp_size + tp_rank` (vLLM's order).
 
 torch.distributed runs on gloo for CPU tensors and NCCL for CUDA ones; with
-`pipeline_parallel_size == 1` the tensor-parallel group is the whole world.
+`pipeline_parallel_size == 1` the tensor-parallel group is the whole world, else one group
+per stage. Pipeline transfers are point to point (`pipeline.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from tandem.core.worker.shm_all_reduce import ShmAllReduce
 
 
 @dataclass(frozen=True)
@@ -48,11 +51,17 @@ class RankInfo:
 
     @property
     def is_driver(self) -> bool:
-        """Rank 0: the rank whose sampled output the engine receives."""
-        return self.rank == 0
+        """Tensor-parallel rank 0 of the last pipeline stage (the stage that samples): the
+        rank whose sampled output the engine receives."""
+        return self.tp_rank == 0 and self.pp_rank == self.pp_size - 1
+
+    @property
+    def driver_rank(self) -> int:
+        return (self.pp_size - 1) * self.tp_size
 
     def describe(self) -> str:
-        return f"rank {self.rank} (tp {self.tp_rank}/{self.tp_size}, host {self.host})"
+        pp = f", pp {self.pp_rank}/{self.pp_size}" if self.pp_size > 1 else ""
+        return f"rank {self.rank} (tp {self.tp_rank}/{self.tp_size}{pp}, host {self.host})"
 
 
 _current = RankInfo()
@@ -68,6 +77,10 @@ class CollectiveTime:
 
 
 collective_time = CollectiveTime()
+#: This stage's tensor-parallel group (None: the whole world, when there is one stage).
+_tp_group: dist.ProcessGroup | None = None
+#: Shared-memory all-reduce between this host's tensor-parallel ranks (CPU, one stage).
+_shm: ShmAllReduce | None = None
 
 
 def current() -> RankInfo:
@@ -75,10 +88,13 @@ def current() -> RankInfo:
     return _current
 
 
-def initialize(info: RankInfo, init_method: str, device: torch.device) -> None:
+def initialize(
+    info: RankInfo, init_method: str, device: torch.device, shm_path: str | None = None
+) -> None:
     """Join the process group (`init_method`, e.g. `tcp://127.0.0.1:PORT`) as `info.rank`:
-    gloo on CPU, NCCL on CUDA. Blocks until every rank has joined."""
-    global _current
+    gloo on CPU, NCCL on CUDA. Blocks until every rank has joined. `shm_path`: the
+    shared-memory file for CPU all-reduces between the ranks of one host (one stage)."""
+    global _current, _shm
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(info.local_rank)
@@ -86,13 +102,21 @@ def initialize(info: RankInfo, init_method: str, device: torch.device) -> None:
         backend, init_method=init_method, rank=info.rank, world_size=info.world_size
     )
     _current = info
+    if shm_path is not None and device.type == "cpu" and info.tp_size > 1 and info.pp_size == 1:
+        _shm = ShmAllReduce(shm_path, info.tp_rank, info.tp_size)
+    if info.pp_size > 1 and info.tp_size > 1:  # one group per stage; every rank makes all
+        global _tp_group
+        for stage in range(info.pp_size):
+            group = dist.new_group(list(range(stage * info.tp_size, (stage + 1) * info.tp_size)))
+            if stage == info.pp_rank:
+                _tp_group = group
 
 
 def shutdown() -> None:
-    global _current
+    global _current, _tp_group, _shm
     if dist.is_initialized():
         dist.destroy_process_group()
-    _current = RankInfo()
+    _current, _tp_group, _shm = RankInfo(), None, None
 
 
 @dataclass
@@ -112,7 +136,8 @@ def tp_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     A no-op on one rank."""
     if _current.tp_size > 1:
         start = time.perf_counter()
-        dist.all_reduce(tensor)
+        if _shm is None or not _shm.all_reduce(tensor):
+            dist.all_reduce(tensor, group=_tp_group)
         _count(start, tensor)
     return tensor
 
@@ -123,10 +148,13 @@ def tp_all_gather(tensor: torch.Tensor) -> torch.Tensor:
     if _current.tp_size == 1:
         return tensor
     start = time.perf_counter()
-    parts = [torch.empty_like(tensor) for _ in range(_current.tp_size)]
-    dist.all_gather(parts, tensor.contiguous())
+    gathered = _shm.all_gather(tensor) if _shm is not None else None
+    if gathered is None:
+        parts = [torch.empty_like(tensor) for _ in range(_current.tp_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=_tp_group)
+        gathered = torch.cat(parts, dim=-1)
     _count(start, tensor)
-    return torch.cat(parts, dim=-1)
+    return gathered
 
 
 def _count(start: float, tensor: torch.Tensor) -> None:

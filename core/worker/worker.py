@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -34,6 +36,9 @@ class Worker:
         self.model = model if model is not None else load_step_model(config)
         self.model_runner = make_runner(config, self.model, self.plugin_manager)
 
+        #: The last steps' `execute_model` spans: (step id, start, end), `time.monotonic()`
+        #: (one clock for every process on a host: ranks' lanes line up).
+        self.spans: deque[tuple[int, float, float]] = deque(maxlen=4096)
         #: Fewer threads while other processes load the machine (`parallel.yield_to_load`).
         self.load_governor = load_governor(config) if self.model.device.type == "cpu" else None
 
@@ -59,12 +64,18 @@ class Worker:
             "collective_bytes": parallel_state.collective_time.bytes,
         }
 
+    def step_spans(self) -> list[tuple[int, float, float]]:
+        """`spans` as plain data (`collective_rpc("step_spans")`)."""
+        return list(self.spans)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         if self.load_governor is not None:
             threads = self.load_governor.threads()
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
+        start = time.monotonic()
         self.model_runner.execute_model(scheduler_output)
+        self.spans.append((scheduler_output.step_id, start, time.monotonic()))
 
     def sample_tokens(
         self, grammar_bitmask: torch.Tensor | None

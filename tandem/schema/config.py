@@ -144,8 +144,9 @@ class SimulatedDeviceConfig(_Section):
 class ParallelConfig(_Section):
     """Where the model runs: the executor (by its name in the entry-point group
     `tandem.executors`, or a `module:Class` path) and the ranks. `tensor_parallel_size`
-    splits every layer across that many ranks (one process each, `mp` executor); only
-    `pipeline_parallel_size == 1` is implemented. `world_size` = tp x pp.
+    splits every layer across that many ranks (one process each, `mp` executor);
+    `pipeline_parallel_size` runs the layers as that many consecutive stages (sampling on
+    the last). `world_size` = tp x pp.
 
     `worker_num_threads`: the worker's torch (intra-op) threads. None resolves (in
     `resolve_config`) to `OMP_NUM_THREADS` when set, else the CPUs this process may run on
@@ -165,7 +166,12 @@ class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(
         1, ge=1, description="ranks each layer is split across (heads, columns, vocabulary)"
     )
-    pipeline_parallel_size: int = Field(1, ge=1, le=1)
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="pipeline stages: the layers split into that many consecutive runs"
+    )
+    pp_layer_partition: list[int] | None = Field(
+        None, description="layers per pipeline stage (vLLM's VLLM_PP_LAYER_PARTITION); null: even"
+    )
     worker_num_threads: int | None = Field(
         None,
         ge=1,

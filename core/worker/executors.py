@@ -126,13 +126,7 @@ def _worker_main(
     driver rank sends its sampled output back; the others' replies are empty."""
     worker = None
     try:
-        if rank is not None:
-            assert init_method is not None
-            device = resolve_device(config.model.device)
-            parallel_state.initialize(rank, init_method, device, shm_path)
-            # Every rank draws the same unseeded samples: the same seed, the same calls.
-            torch.manual_seed(config.model.seed)
-        worker = Worker(config)
+        worker = start_worker(config, rank, init_method, shm_path)
     except BaseException:
         conn.send_bytes(encode(WorkerError(traceback.format_exc())))
         return
@@ -147,23 +141,59 @@ def _worker_main(
                 return
             if isinstance(message, Shutdown):
                 return
-            try:
-                if isinstance(message, ExecuteModel):
-                    worker.execute_model(message.scheduler_output)
-                    reply = encode(WorkerReply())
-                elif isinstance(message, CallWorker):
-                    reply = encode(RpcReply(getattr(worker, message.method)(*message.args)))
-                else:  # only host data crosses the pipe: wait for the copy here
-                    bitmask = message.grammar_bitmask
-                    output = resolve_output(
-                        worker.sample_tokens(bitmask.to_tensor() if bitmask else None)
-                    )
-                    reply = encode(WorkerReply(output if driver else None))
-            except BaseException:
-                reply = encode(_worker_error(worker))
-            conn.send_bytes(reply)
+            conn.send_bytes(answer(worker, message, driver))
     finally:
         parallel_state.shutdown()
+
+
+def start_worker(
+    config: EngineConfig,
+    rank: RankInfo | None,
+    init_method: str | None,
+    shm_path: str | None = None,
+) -> Worker:
+    """Build this process's worker; as `rank` of a multi-rank executor, first join the
+    process group at `init_method` (blocks until every rank has joined)."""
+    if rank is not None:
+        assert init_method is not None
+        device = resolve_device(config.model.device)
+        parallel_state.initialize(rank, init_method, device, shm_path)
+        # Every rank draws the same unseeded samples: the same seed, the same calls.
+        torch.manual_seed(config.model.seed)
+    return Worker(config)
+
+
+def answer(worker: Worker, message: ToWorker, driver: bool) -> bytes:
+    """Run one message on `worker` and return the encoded reply: `WorkerReply` (the sampled
+    output only on the `driver` rank), `RpcReply`, or `WorkerError` when it raised."""
+    try:
+        if isinstance(message, ExecuteModel):
+            worker.execute_model(message.scheduler_output)
+            return encode(WorkerReply())
+        if isinstance(message, CallWorker):
+            return encode(RpcReply(getattr(worker, message.method)(*message.args)))
+        assert isinstance(message, SampleTokens)
+        bitmask = message.grammar_bitmask  # only host data crosses: wait for the copy here
+        output = resolve_output(worker.sample_tokens(bitmask.to_tensor() if bitmask else None))
+        return encode(WorkerReply(output if driver else None))
+    except BaseException:
+        return encode(_worker_error(worker))
+
+
+def settle(future: Future, name: str, reply: FromWorker) -> None:
+    """Resolve `future` with a worker's decoded `reply`: its output, its RPC result, or a
+    `WorkerProcessError` prefixed with `name` (naming the hook implementation that raised,
+    when the worker found one)."""
+    if isinstance(reply, WorkerReply):
+        future.set_result(reply.output)
+    elif isinstance(reply, RpcReply):
+        future.set_result(reply.result)
+    else:
+        message = f"{name}: the worker process raised:\n{reply.traceback}"
+        site = None
+        if reply.plugin is not None:
+            site = HookSite(reply.plugin, reply.hook or "?", None, False, reply.where or "?")
+        future.set_exception(WorkerProcessError(message, site))
 
 
 class WorkerProcess:
@@ -235,17 +265,7 @@ class WorkerProcess:
                 break
             with self._lock:
                 future = self._pending.popleft()
-            if isinstance(reply, WorkerReply):
-                future.set_result(reply.output)
-            elif isinstance(reply, RpcReply):
-                future.set_result(reply.result)
-            else:
-                message = f"{self.name}: the worker process raised:\n{reply.traceback}"
-                site = None
-                if reply.plugin is not None:
-                    hook, where = reply.hook or "?", reply.where or "?"
-                    site = HookSite(reply.plugin, hook, None, False, where)
-                future.set_exception(WorkerProcessError(message, site))
+            settle(future, self.name, reply)
         code = self.process.exitcode if not self.process.is_alive() else None
         with self._lock:
             self._closed = True

@@ -160,7 +160,7 @@ class ParallelConfig(_Section):
     executor: str = Field(
         "inprocess",
         description="where the worker runs: an installed executor's name (inprocess, thread, "
-        "process, simulated, mp) or a 'module:Class' path; with tensor_parallel_size > 1 and "
+        "process, simulated, mp, ray) or a 'module:Class' path; with tensor_parallel_size > 1 and "
         "no executor named, mp",
     )
     tensor_parallel_size: int = Field(
@@ -171,6 +171,11 @@ class ParallelConfig(_Section):
     )
     pp_layer_partition: list[int] | None = Field(
         None, description="layers per pipeline stage (vLLM's VLLM_PP_LAYER_PARTITION); null: even"
+    )
+    ray_address: str | None = Field(
+        None,
+        description="the Ray cluster the 'ray' executor joins (e.g. 'HEAD_IP:6379'); null: "
+        "RAY_ADDRESS if set, else a single-node cluster on 127.0.0.1 started for this engine",
     )
     worker_num_threads: int | None = Field(
         None,

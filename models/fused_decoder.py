@@ -20,6 +20,7 @@ rotary module and the final norm stay the HF model's own modules (read through t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,7 +35,13 @@ from tandem.models.decoder_elementwise import (
 from tandem.models.linear_choice import Linear, cpu_bf16_linear, cpu_f32_linear
 from tandem.models.packed_linear import PackedLinear
 from tandem.models.paged_attention import PagedAttentionMetadata, paged_attention
-from tandem.models.tensor_parallel import shard_cols, shard_rows
+from tandem.models.tensor_parallel import (
+    VocabParallelEmbedding,
+    kv_heads_per_rank,
+    kv_split,
+    shard_cols,
+    shard_rows,
+)
 from tandem.models.weight_release import release_parameters
 
 _TORCH = TorchElementwise()
@@ -121,7 +128,11 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, fresh: bool, bf16_c
 
 
 def _take_layer(
-    layer_idx: int, layer: torch.nn.Module, bf16_cpu: bool = False, tp: RankInfo | None = None
+    layer_idx: int,
+    layer: torch.nn.Module,
+    bf16_cpu: bool = False,
+    tp: RankInfo | None = None,
+    hf_config: Any = None,
 ) -> _Layer:
     """The fused layer; the HF layer's own parameters are released (see the module doc).
     `bf16_cpu`: bfloat16 weights computed in float32 (`float32_compute`). With `tp` of more
@@ -138,10 +149,24 @@ def _take_layer(
             down = _linear(mlp.down_proj.weight, _owned_bias(mlp.down_proj), False, bf16_cpu)
         else:
             r, n = tp.tp_rank, tp.tp_size
+            kv_part, kv_parts = kv_split(hf_config, r, n)
             qkv_w = torch.cat(
-                [shard_rows(m.weight, r, n) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+                [
+                    shard_rows(attn.q_proj.weight, r, n),
+                    shard_rows(attn.k_proj.weight, kv_part, kv_parts),
+                    shard_rows(attn.v_proj.weight, kv_part, kv_parts),
+                ]
             )
-            qkv_b = _cat_sharded_bias(r, n, attn.q_proj, attn.k_proj, attn.v_proj)
+            qkv_b = (
+                torch.cat(
+                    [
+                        *_sharded_bias(r, n, attn.q_proj),
+                        *_sharded_bias(kv_part, kv_parts, attn.k_proj, attn.v_proj),
+                    ]
+                )
+                if any(m.bias is not None for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+                else None
+            )
             gate_up_w = torch.cat(
                 [shard_rows(m.weight, r, n) for m in (mlp.gate_proj, mlp.up_proj)]
             )
@@ -174,18 +199,21 @@ def _take_layer(
     return fused
 
 
+def _sharded_bias(rank: int, size: int, *linears: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's rows of each column-parallel linear's bias (zeros for one without)."""
+    return [
+        shard_rows(m.bias, rank, size)
+        if m.bias is not None
+        else m.weight.new_zeros(m.weight.shape[0] // size)
+        for m in linears
+    ]
+
+
 def _cat_sharded_bias(rank: int, size: int, *linears: torch.nn.Module) -> torch.Tensor | None:
     """This rank's rows of the column-parallel linears' biases, concatenated (or None)."""
     if all(m.bias is None for m in linears):
         return None
-    return torch.cat(
-        [
-            shard_rows(m.bias, rank, size)
-            if m.bias is not None
-            else m.weight.new_zeros(m.weight.shape[0] // size)
-            for m in linears
-        ]
-    )
+    return torch.cat(_sharded_bias(rank, size, *linears))
 
 
 class FusedDecoder:
@@ -211,20 +239,33 @@ class FusedDecoder:
         self.reduce = tp_all_reduce if tp_size > 1 else _identity
         #: bfloat16 weights on CPU, float32 activations (see `float32_compute`).
         self.bf16_cpu = float32_compute(causal_lm)
-        self.embed = _Float32Embedding(model.embed_tokens) if self.bf16_cpu else model.embed_tokens
+        self.embed: Any
+        if tp_size > 1 and link is not None and not link.is_first:
+            self.embed = None  # a later stage receives the residual stream instead
+        elif tp_size > 1:  # this rank's vocabulary rows; the caller releases the HF table
+            self.embed = VocabParallelEmbedding(
+                model.embed_tokens.weight,
+                tp.tp_rank,
+                tp_size,
+                torch.float32 if self.bf16_cpu else model.embed_tokens.weight.dtype,
+            )
+        elif self.bf16_cpu:
+            self.embed = _Float32Embedding(model.embed_tokens)
+        else:
+            self.embed = model.embed_tokens
         self.rotary_table = RotaryTable(model.rotary_emb)
         self.norm_weight = (
             _owned(model.norm.weight, torch.float32) if self.bf16_cpu else model.norm.weight
         )
         self.eps = cfg.rms_norm_eps
         self.num_heads = cfg.num_attention_heads // tp_size
-        self.num_kv_heads = cfg.num_key_value_heads // tp_size
+        self.num_kv_heads = kv_heads_per_rank(cfg, tp_size)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scaling = self.head_dim**-0.5
         stage = stage if stage is not None else range(len(model.layers))
         self.link = link
         self.layers = [
-            _take_layer(i, model.layers[j], self.bf16_cpu, tp) for i, j in enumerate(stage)
+            _take_layer(i, model.layers[j], self.bf16_cpu, tp, cfg) for i, j in enumerate(stage)
         ]
         release_parameters(
             m for j, layer in enumerate(model.layers) if j not in stage for m in layer.modules()

@@ -25,7 +25,7 @@ from tandem.models.model_dtype import (  # noqa: F401 - re-exported
 )
 from tandem.models.packed_linear import PackedLinear
 from tandem.models.paged_attention import ATTENTION_NAME, build_metadata
-from tandem.models.tensor_parallel import check_divisible, vocab_shard
+from tandem.models.tensor_parallel import check_divisible, kv_heads_per_rank, vocab_shard
 from tandem.models.weight_release import own_remaining_parameters, release_parameters
 
 
@@ -81,10 +81,9 @@ def _take_lm_head(causal_lm: torch.nn.Module) -> PackedLinear | Linear:
 
 def _take_lm_head_shard(causal_lm: torch.nn.Module, rank: RankInfo) -> Linear:
     """This rank's vocabulary rows of the LM head (`tensor_parallel.vocab_shard`), as the
-    decoder's own linears are built; the HF head is released unless tied to the embedding
-    (which stays whole: the embedding is replicated)."""
+    decoder's own linears are built; the HF head and embedding are released (the fused
+    decoder holds its own rows of the embedding: `VocabParallelEmbedding`)."""
     head = causal_lm.lm_head
-    tied = head.weight is causal_lm.get_input_embeddings().weight
     with torch.no_grad():
         weight = vocab_shard(head.weight, rank.tp_rank, rank.tp_size)
         bias = (
@@ -93,8 +92,7 @@ def _take_lm_head_shard(causal_lm: torch.nn.Module, rank: RankInfo) -> Linear:
             else None
         )
     linear = fused_linear(weight, bias, float32_compute(causal_lm))
-    if not tied:
-        release_parameters([head])
+    release_parameters([head, causal_lm.get_input_embeddings()])  # the decoder has its rows
     own_remaining_parameters(causal_lm)
     return linear
 
@@ -156,7 +154,10 @@ class HFStepModel:
         self.lm_head: PackedLinear | Linear | None
         if not self.has_logits:
             self.lm_head = None
-            if self.model.lm_head.weight is not self.model.get_input_embeddings().weight:
+            embedding = self.model.get_input_embeddings()
+            if tp_size > 1:  # the fused decoder holds its own rows of the embedding
+                release_parameters([self.model.lm_head, embedding])
+            elif self.model.lm_head.weight is not embedding.weight:
                 release_parameters([self.model.lm_head])
             own_remaining_parameters(self.model)
         elif tp_size > 1:
@@ -169,7 +170,7 @@ class HFStepModel:
         self.decode_kernel = decode_kernel
         self.keep_hidden_states = False
         self.last_hidden_states: torch.Tensor | None = None
-        kv_heads = cfg.num_key_value_heads // tp_size
+        kv_heads = kv_heads_per_rank(cfg, tp_size)
         value_shape = (num_blocks, block_size, kv_heads, head_dim)
         key_shape = (
             (num_blocks, kv_heads, head_dim, block_size)

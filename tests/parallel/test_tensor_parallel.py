@@ -131,6 +131,50 @@ def test_sizes_that_do_not_divide_are_refused_naming_the_key(tiny_dirs: dict[str
         LLM(model=str(tiny_dirs["llama"]), tensor_parallel_size=3)
 
 
+def test_kv_heads_that_neither_divide_nor_are_divided_by_tp_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from tandem.models.tensor_parallel import check_divisible, kv_heads_per_rank, kv_split
+
+    six_three = SimpleNamespace(num_attention_heads=6, num_key_value_heads=3, intermediate_size=96)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size: 2 .*num_key_value_heads \(3\)"):
+        check_divisible(six_three, 2)
+    mqa = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2, intermediate_size=64)
+    check_divisible(mqa, 4)  # replicated: ranks 0-1 keep KV head 0, ranks 2-3 KV head 1
+    assert [kv_split(mqa, r, 4) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert kv_heads_per_rank(mqa, 4) == 1 and kv_heads_per_rank(mqa, 2) == 1
+
+
+@pytest.fixture(scope="module")
+def mqa_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 (biased QKV) with one KV head for four query heads and a vocabulary of
+    383 (divides by no rank count): KV replication and uneven vocabulary shards."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tandem.testing.tiny_model import tiny_config
+
+    config = tiny_config("qwen2")
+    config.num_key_value_heads = 1
+    config.vocab_size = 383
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(22)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    finally:
+        torch.random.set_rng_state(state)
+    directory = tmp_path_factory.mktemp("mqa") / "qwen2"
+    model.save_pretrained(directory)
+    return directory
+
+
+def test_one_kv_head_replicated_on_two_ranks(mqa_dir: Path, closing: list[LLM]) -> None:
+    one, two = _pair(mqa_dir, closing, async_scheduling=False, **TIGHT)
+    assert [r["kv_heads"] for r in two.engine.executor.collective_rpc("describe")] == [1, 1]
+    assert _tokens(two, GREEDY) == _tokens(one, GREEDY)
+    assert _scheduler(two).num_preemptions > 0
+
+
 def test_combinations_that_do_not_run_with_ranks_are_refused(tiny_dirs: dict[str, Path]) -> None:
     model = str(tiny_dirs["llama"])
     with pytest.raises(ConfigError, match=r"parallel\.executor 'process' runs at most 1"):
@@ -171,3 +215,12 @@ def test_smollm2_on_three_ranks_gives_one_ranks_tokens(closing: list[LLM]) -> No
     closing += [one, three]
     expected = [list(o.outputs[0].token_ids) for o in one.generate(prompts, params)]
     assert [list(o.outputs[0].token_ids) for o in three.generate(prompts, params)] == expected
+
+
+def test_two_kv_heads_on_four_ranks(tiny_dirs: dict[str, Path], closing: list[LLM]) -> None:
+    """4 query / 2 KV heads on 4 ranks: one query head each, each KV head on two ranks."""
+    one = LLM(model=str(tiny_dirs["llama"]), worker_num_threads=1, **TIGHT)
+    four = LLM(model=str(tiny_dirs["llama"]), tensor_parallel_size=4, worker_num_threads=1, **TIGHT)
+    closing += [one, four]
+    assert [r["kv_heads"] for r in four.engine.executor.collective_rpc("describe")] == [1] * 4
+    assert _tokens(four, GREEDY) == _tokens(one, GREEDY)

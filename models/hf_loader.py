@@ -37,7 +37,7 @@ class HFModelLoader:
             resolve_dtype,
         )
         from tandem.models.model_files import load_hf_config, resolve_model_dir
-        from tandem.models.tensor_parallel import check_divisible
+        from tandem.models.tensor_parallel import check_divisible, kv_heads_per_rank
 
         model = config.model
         model_dir = resolve_model_dir(model.model, allow_download=model.allow_download)
@@ -45,16 +45,18 @@ class HFModelLoader:
         hf = load_hf_config(model_dir)
         check_divisible(hf, config.parallel.tensor_parallel_size)
         parallel = config.parallel
-        if parallel.pipeline_parallel_size > 1:
-            try:
+        try:
+            stages = [
                 stage_layers(
                     hf.num_hidden_layers,
                     parallel.pipeline_parallel_size,
-                    0,
+                    s,
                     parallel.pp_layer_partition,
                 )
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
+                for s in range(parallel.pipeline_parallel_size)
+            ]
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         model.vocab_size = hf.vocab_size
         if model.eos_token_id is None:
             eos = getattr(hf, "eos_token_id", None)
@@ -63,7 +65,14 @@ class HFModelLoader:
             model.max_model_len = int(getattr(hf, "max_position_embeddings", 2048))
         if config.cache.num_kv_blocks is None:
             device = resolve_device(model.device)
-            per_token = kv_bytes_per_token(hf, resolve_dtype(model.dtype, device))
+            # The budget is per rank (as vLLM-CPU's VLLM_CPU_KVCACHE_SPACE): each rank holds
+            # its KV heads of its stage's layers; the largest stage sets the pool.
+            per_token = kv_bytes_per_token(
+                hf,
+                resolve_dtype(model.dtype, device),
+                kv_heads=kv_heads_per_rank(hf, parallel.tensor_parallel_size),
+                layers=max(len(stage) for stage in stages),
+            )
             budget = int(config.cache.kv_cache_memory_gib * (1 << 30))
             config.cache.num_kv_blocks = max(1, budget // (per_token * config.cache.block_size))
             capacity = config.cache.num_kv_blocks * config.cache.block_size

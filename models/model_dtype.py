@@ -29,12 +29,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def kv_bytes_per_token(hf_config: Any, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one token over every layer of a transformers config (GQA:
-    `num_key_value_heads`; `head_dim` when the config has one, else hidden / heads)."""
+def kv_bytes_per_token(
+    hf_config: Any, dtype: torch.dtype, kv_heads: int | None = None, layers: int | None = None
+) -> int:
+    """Bytes of K and V for one token of a transformers config (GQA: `num_key_value_heads`;
+    `head_dim` when the config has one, else hidden / heads): over every layer and KV head,
+    or over `layers` layers of `kv_heads` heads (one rank's share)."""
     head_dim = (
         getattr(hf_config, "head_dim", None)
         or hf_config.hidden_size // hf_config.num_attention_heads
     )
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * elem
+    layers = hf_config.num_hidden_layers if layers is None else layers
+    kv_heads = hf_config.num_key_value_heads if kv_heads is None else kv_heads
+    return 2 * layers * kv_heads * head_dim * elem

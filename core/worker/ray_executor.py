@@ -130,42 +130,8 @@ class RayExecutor(RankedExecutor):
     def _start(self, config: EngineConfig) -> None:
         parallel = config.parallel
         cuda = resolve_device(config.model.device).type == "cuda"
-        bundle = {"CPU": float(parallel.worker_num_threads or 1)}
-        if cuda:
-            bundle["GPU"] = 1.0
-        self._group = placement_group([dict(bundle)] * parallel.world_size, strategy="PACK")
-        try:
-            ray.get(self._group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            raise ConfigError(
-                f"parallel.executor 'ray': the cluster cannot place {parallel.world_size} "
-                f"bundles of {bundle} within {PLACEMENT_TIMEOUT_S:.0f} s (available: "
-                f"{ray.available_resources()})"
-            ) from None
-        actor_class = ray.remote(num_cpus=0)(RankActor)
-        self._actors = [
-            actor_class.options(
-                num_cpus=bundle["CPU"],
-                num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._group, placement_group_bundle_index=i
-                ),
-            ).remote()
-            for i in range(parallel.world_size)
-        ]
-        places: list[ActorPlace] = ray.get([a.place.remote() for a in self._actors])
-        # Ranks by host (this node first, then in bundle order), so that consecutive ranks
-        # (one stage's tensor-parallel group) share a host whenever the bundles allow it.
+        places = self._place_actors(config, cuda)
         here = ray.get_runtime_context().get_node_id()
-        first = {}
-        for place in places:
-            first.setdefault(place.node_id, len(first))
-        order = sorted(
-            range(len(places)),
-            key=lambda i: (places[i].node_id != here, first[places[i].node_id], i),
-        )
-        self._actors = [self._actors[i] for i in order]
-        places = [places[i] for i in order]
         #: Each rank's actor: host, Ray node id, pid (rank order).
         self.places = places
         self.ranks = [
@@ -192,11 +158,60 @@ class RayExecutor(RankedExecutor):
         port = ray.get(self._actors[0].free_port.remote(address))
         #: The process group's rendezvous (rank 0's node).
         self.init_method = f"tcp://{address}:{port}"
-        init_method = self.init_method
+        self._start_workers(config)
+        logger.info(
+            "ray executor: %d ranks on %s",
+            len(self.ranks),
+            ", ".join(sorted({p.host for p in places})),
+        )
+
+    def _place_actors(self, config: EngineConfig, cuda: bool) -> list[ActorPlace]:
+        """Reserve one bundle per rank, start one actor in each, and order the actors by
+        host: this node first, then in bundle order, so that consecutive ranks (one stage's
+        tensor-parallel group) share a host whenever the bundles allow it."""
+        parallel = config.parallel
+        bundle = {"CPU": float(parallel.worker_num_threads or 1)}
+        if cuda:
+            bundle["GPU"] = 1.0
+        self._group = placement_group([dict(bundle)] * parallel.world_size, strategy="PACK")
+        try:
+            ray.get(self._group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise ConfigError(
+                f"parallel.executor 'ray': the cluster cannot place {parallel.world_size} "
+                f"bundles of {bundle} within {PLACEMENT_TIMEOUT_S:.0f} s (available: "
+                f"{ray.available_resources()})"
+            ) from None
+        actor_class = ray.remote(num_cpus=0)(RankActor)
+        self._actors = [
+            actor_class.options(
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._group, placement_group_bundle_index=i
+                ),
+            ).remote()
+            for i in range(parallel.world_size)
+        ]
+        places: list[ActorPlace] = ray.get([a.place.remote() for a in self._actors])
+        here = ray.get_runtime_context().get_node_id()
+        first: dict[str, int] = {}
+        for place in places:
+            first.setdefault(place.node_id, len(first))
+        order = sorted(
+            range(len(places)),
+            key=lambda i: (places[i].node_id != here, first[places[i].node_id], i),
+        )
+        self._actors = [self._actors[i] for i in order]
+        return [places[i] for i in order]
+
+    def _start_workers(self, config: EngineConfig) -> None:
+        """Every rank joins the process group and builds its worker; the first failure is
+        raised with its rank and traceback."""
         shm = str(self._shm) if self._shm is not None else None
         started = ray.get(
             [
-                actor.start.remote(config, info, init_method, shm)
+                actor.start.remote(config, info, self.init_method, shm)
                 for actor, info in zip(self._actors, self.ranks, strict=True)
             ],
             timeout=START_TIMEOUT_S,
@@ -207,11 +222,6 @@ class RayExecutor(RankedExecutor):
                 raise WorkerProcessError(
                     f"{info.describe()}: the worker failed to start:\n{decoded.traceback}"
                 )
-        logger.info(
-            "ray executor: %d ranks on %s",
-            len(self.ranks),
-            ", ".join(sorted({p.host for p in places})),
-        )
 
     def _send_all(self, data: bytes) -> list[Future]:
         return [self._call(i, data) for i in range(len(self._actors))]

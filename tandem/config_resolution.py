@@ -373,16 +373,15 @@ def _resolve_parallel(config: EngineConfig, loader: type) -> None:
             "supports_pipeline_parallel)"
         )
     spec = config.speculative
-    if spec is not None and pp > 1:
-        raise ConfigError(
-            f"speculative.method: {spec.method!r} is not supported with "
-            f"parallel.pipeline_parallel_size {pp} (drafts do not cross stages yet)"
-        )
     if spec is not None and spec.method != "ngram":
+        split = (
+            f"parallel.pipeline_parallel_size {pp} splits into stages"
+            if pp > 1
+            else f"parallel.tensor_parallel_size {parallel.tensor_parallel_size} splits"
+        )
         raise ConfigError(
             f"speculative.method: {spec.method!r} reads the target model's layers, which "
-            f"parallel.tensor_parallel_size {parallel.tensor_parallel_size} splits; only "
-            "'ngram' runs with tensor parallelism"
+            f"{split}; only 'ngram' runs with tensor or pipeline parallelism"
         )
 
 

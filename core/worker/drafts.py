@@ -39,8 +39,11 @@ class ProposeHook(Protocol):
 class DraftStore:
     """Latest proposal per request (at most `num_spec_tokens` drafts each)."""
 
-    def __init__(self, num_spec_tokens: int) -> None:
+    def __init__(self, num_spec_tokens: int, runs_drafter: bool = True) -> None:
+        """`runs_drafter`: False on a pipeline stage before the last, whose proposals come
+        from the last stage (`pipeline.AwaitedStep.apply`)."""
         self.num_spec_tokens = num_spec_tokens
+        self.runs_drafter = runs_drafter
         self.proposals: dict[str, list[int]] = {}
         #: Requests finished or preempted since the drafter last ran (it frees their state).
         self._left: list[str] = []
@@ -48,7 +51,7 @@ class DraftStore:
     def forget(self, req_id: str) -> None:
         """The request finished or was preempted: its proposal is gone."""
         self.proposals.pop(req_id, None)
-        if self.num_spec_tokens:
+        if self.num_spec_tokens and self.runs_drafter:
             self._left.append(req_id)
 
     def to_verify(self, so: SchedulerOutput) -> dict[str, list[int]]:

@@ -37,7 +37,7 @@ from tandem.core.worker.flat_batch import FlatBatch, prepare_flat_batch
 from tandem.core.worker.host_tensors import host_int64
 from tandem.core.worker.input_batch import InputBatch
 from tandem.core.worker.logprobs import PromptLogprobs, logprobs_per_request
-from tandem.core.worker.pipeline import AwaitedStep, PipelineLink
+from tandem.core.worker.pipeline import AwaitedStep, PipelineLink, pack_sampled, sampled_width
 from tandem.core.worker.sample_isolation import sample_isolating_failures
 from tandem.core.worker.sampling_inputs import (
     build_sampling_metadata,
@@ -99,13 +99,14 @@ class ModelRunner:
         self.num_spec_tokens = num_spec_tokens
         self.async_scheduling = async_scheduling
         self.input_batch = InputBatch(max_num_reqs=max_num_reqs)  # grows by doubling
-        self.drafts = DraftStore(num_spec_tokens)
         self.prompt_logprobs = PromptLogprobs()
         rank = parallel_state.current()
-        #: Pipeline stages (`pipeline.py`): the last samples and sends the ids back; an
-        #: earlier stage applies each step's ids once a later step needs them (`_awaiting`).
+        #: Pipeline stages (`pipeline.py`): the last samples, drafts and sends the ids and
+        #: proposals back; an earlier stage applies each step's once a later step needs them
+        #: (`_awaiting`).
         self.pipeline = PipelineLink(rank) if rank.pp_size > 1 else None
         self.samples = self.pipeline is None or self.pipeline.is_last
+        self.drafts = DraftStore(num_spec_tokens, runs_drafter=self.samples)
         self._awaiting: deque[AwaitedStep] = deque()
         #: Sampled ids stay on the device between steps (no drafter: drafters read them).
         self.device_outputs = (
@@ -269,10 +270,8 @@ class ModelRunner:
                     so, batch, grammar_bitmask, self.model.device
                 )
             result, failures = self._sample(batch, logits, grammar_bitmask)
-            if self.pipeline is not None:  # to the earlier stages, failures flagged
-                flags = torch.zeros((len(sampling), 1), dtype=torch.int64)
-                flags[list(failures)] = 1
-                self.pipeline.send_sampled(torch.cat([result.sampled_token_ids.cpu(), flags], 1))
+            if self.pipeline is not None and not self.num_spec_tokens:
+                self._send_sampled(result, list(failures))
         states = self.input_batch.states
         num_top = [
             None
@@ -308,6 +307,8 @@ class ModelRunner:
         drafts, draft_failures = self.drafts.propose(
             self.hooks, batch, self.input_batch, sampled_rows, hidden, self.model
         )
+        if self.pipeline is not None and self.num_spec_tokens and result is not None:
+            self._send_sampled(result, list(failures), [(drafts or {}).get(r) for r in sampling])
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
@@ -325,8 +326,9 @@ class ModelRunner:
         last stage and return at once (the engine reads the last stage's output)."""
         assert self.pipeline is not None
         self.prompt_logprobs.take(sampling)
-        work = self.pipeline.post_recv_sampled(len(sampling), 2) if sampling else None
-        self._awaiting.append(AwaitedStep(so.step_id, batch, sampling, work))
+        width = sampled_width(self.num_spec_tokens)
+        work = self.pipeline.post_recv_sampled(len(sampling), width) if sampling else None
+        self._awaiting.append(AwaitedStep(so.step_id, batch, sampling, work, self.num_spec_tokens))
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
@@ -339,7 +341,20 @@ class ModelRunner:
         to the input batch, in step order, for the requests still in it (a request
         finished or preempted since has left). Waits for ids still in flight."""
         while self._awaiting and self._awaiting[0].step_id <= up_to_step:
-            self._awaiting.popleft().apply(self.input_batch)
+            self._awaiting.popleft().apply(self.input_batch, self.drafts.proposals)
+
+    def _send_sampled(
+        self,
+        result: SamplerOutput,
+        failed_rows: list[int],
+        proposals: list[list[int] | None] | None = None,
+    ) -> None:
+        """Last stage: the step's accepted ids, the drafter's proposals and the failed rows
+        to every earlier stage (`pipeline.pack_sampled`)."""
+        assert self.pipeline is not None
+        self.pipeline.send_sampled(
+            pack_sampled(result.sampled_token_ids, failed_rows, self.num_spec_tokens, proposals)
+        )
 
     def _sample(
         self, batch: FlatBatch, logits: torch.Tensor, grammar_bitmask: torch.Tensor | None

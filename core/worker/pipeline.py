@@ -3,9 +3,15 @@
 Stage s holds a contiguous run of decoder layers (`stage_layers`). Per step with tokens:
 stage s > 0 receives the `[T, hidden]` residual stream from stage s - 1 (same tensor-parallel
 rank) before its first layer, and every stage but the last sends its residual stream on
-after its last layer. Only the last stage has logits and samples; it sends each step's
-sampled ids `[R, 1 + k]` (plus one column flagging requests whose sampling failed) to every
-earlier stage.
+after its last layer. Only the last stage has logits, samples and drafts; it sends each
+step's sampled ids to every earlier stage in one int64 message per step, a row per sampling
+request (`pack_sampled`): the accepted ids `[1 + k]` (`-1`-padded), and with a drafter
+(k = `num_spec_tokens` > 0) the drafter's next proposal `[k]` (`-1`-padded) and a column
+saying whether the request has a new proposal; then one column flagging a failed sampling.
+An earlier stage adopts those proposals as its own (`DraftStore.proposals`), so the drafts
+it embeds in the next step are the ones the last stage verifies: the drafter runs once,
+on the last stage, and its proposals reach the scheduler (the engine's output) and the
+earlier stages (this message) from there.
 
 Sends are non-blocking (`isend`), so a stage never waits for the next one to be ready; an
 earlier stage posts its receive of a step's sampled ids when the engine asks it to sample
@@ -92,6 +98,37 @@ class PipelineLink:
         self._sends = []
 
 
+def sampled_width(num_spec_tokens: int) -> int:
+    """Columns of the per-step message for drafts of up to `num_spec_tokens` (`pack_sampled`)."""
+    k = num_spec_tokens
+    return 2 if k == 0 else (1 + k) + k + 1 + 1
+
+
+def pack_sampled(
+    sampled: torch.Tensor,
+    failed_rows: list[int],
+    num_spec_tokens: int,
+    proposals: list[list[int] | None] | None = None,
+) -> torch.Tensor:
+    """The message for one step (host int64, `[R, sampled_width(k)]`): row i holds the
+    request's accepted ids (`sampled[i]`, padded to `1 + k` with -1), then with k > 0 its
+    new proposal (`proposals[i]`, padded to k; None: no new proposal) and a has-proposal
+    column, then 1 when its sampling failed."""
+    k = num_spec_tokens
+    rows = sampled.shape[0]
+    out = torch.full((rows, sampled_width(k)), -1, dtype=torch.int64)
+    out[:, : sampled.shape[1]] = sampled.cpu()
+    out[:, -1] = 0
+    out[failed_rows, -1] = 1
+    if k:
+        out[:, -2] = 0
+        for i, proposal in enumerate(proposals or ()):
+            if proposal is not None:
+                out[i, 1 + k : 1 + k + len(proposal)] = torch.tensor(proposal, dtype=torch.int64)
+                out[i, -2] = 1
+    return out
+
+
 @dataclass(slots=True)
 class AwaitedStep:
     """A step an earlier stage ran whose sampled ids (from the last stage) it has not
@@ -102,10 +139,12 @@ class AwaitedStep:
     batch: FlatBatch
     sampling: list[str]
     work: tuple[dist.Work, torch.Tensor] | None
+    num_spec_tokens: int = 0
 
-    def apply(self, input_batch: InputBatch) -> None:
-        """Wait for the ids and append them to the rows of the requests still in the batch
-        (one finished or preempted since has left it), as the last stage did."""
+    def apply(self, input_batch: InputBatch, proposals: dict[str, list[int]]) -> None:
+        """Wait for the message and append the ids to the rows of the requests still in the
+        batch (one finished or preempted since has left it), as the last stage did; their
+        new proposals replace theirs in `proposals`."""
         if self.work is None:
             return
         work, received = self.work
@@ -116,8 +155,14 @@ class AwaitedStep:
             return
         index = host_int64(keep)
         drafts = host_int64(self.batch.num_draft_tokens)
+        k = self.num_spec_tokens
         input_batch.append_sampled(
             input_batch.rows_of([self.sampling[i] for i in keep]),
-            received[index, :-1],
+            received[index, : 1 + k],
             drafts[index] if drafts.numel() else drafts,
         )
+        if k:
+            for i in keep:
+                if received[i, -2]:
+                    row = received[i, 1 + k : 1 + 2 * k]
+                    proposals[self.sampling[i]] = row[row >= 0].tolist()

@@ -53,6 +53,10 @@ def closing() -> Iterator[list[LLM]]:
         llm.engine.shutdown()
 
 
+def _scheduler(llm: LLM) -> Any:
+    return llm.engine.plugin_manager.plugins_with_role("scheduler")[0]
+
+
 def _pair(model_dir: Path, closing: list[LLM], tp: int = 1, **kw: Any) -> tuple[LLM, LLM]:
     one = LLM(model=str(model_dir), worker_num_threads=1, **kw)
     staged = LLM(model=str(model_dir), pipeline_parallel_size=2, tensor_parallel_size=tp, **kw)
@@ -83,6 +87,34 @@ def test_two_stages_of_two_ranks_each(tiny_dirs: dict[str, Path], closing: list[
         for i in range(len(PROMPTS))
     ]
     assert _tokens(staged, seeded) == _tokens(one, seeded)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_ngram_drafts_under_two_stages(
+    async_scheduling: bool, tiny_dirs: dict[str, Path], closing: list[LLM]
+) -> None:
+    """The last stage drafts and sends its proposals back with the sampled ids: stage 0
+    embeds the same drafts, so the tokens are one rank's and drafts are accepted (the
+    tiny Qwen3's greedy outputs repeat tokens, which one-token lookups catch)."""
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+    }
+    tight = dict(TIGHT, max_model_len=96, num_kv_blocks=30)  # 40 tokens each: preempts
+    one, staged = _pair(
+        tiny_dirs["qwen3"],
+        closing,
+        speculative_config=spec,
+        async_scheduling=async_scheduling,
+        **tight,
+    )
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert _tokens(staged, params) == _tokens(one, params)
+    metrics = _scheduler(staged).spec_metrics.as_dict()
+    assert metrics["num_accepted_tokens"] > 0, metrics
+    assert _scheduler(staged).num_preemptions > 0
 
 
 def test_a_grammar_under_two_stages_with_async_scheduling(
@@ -135,11 +167,11 @@ def test_a_stage_partition_and_combinations_are_checked(tiny_dirs: dict[str, Pat
     model = str(tiny_dirs["llama"])
     with pytest.raises(ConfigError, match=r"parallel\.pp_layer_partition: \[2, 0\]"):
         LLM(model=model, pipeline_parallel_size=2, pp_layer_partition=[2, 0])
-    with pytest.raises(ConfigError, match=r"speculative\.method: 'ngram' .*pipeline_parallel"):
+    with pytest.raises(ConfigError, match=r"speculative\.method: 'eagle' .*pipeline_parallel"):
         LLM(
             model=model,
             pipeline_parallel_size=2,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            speculative_config={"method": "eagle", "num_speculative_tokens": 2},
         )
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size.*ScriptedModelLoader"):
         LLM(model="scripted", pipeline_parallel_size=2)

@@ -57,9 +57,15 @@ class EngineCore:
         self.config = config
         self.max_model_len, self.vocab_size = config.max_model_len, config.model.vocab_size
         source = source if source is not None else config.source
-        self.plugin_manager = TandemPluginManager(config, side="engine", source=source)
-        self.hook = self.plugin_manager.hook
+        # The executor first: its ranks may shrink the planned KV pool to what their memory
+        # holds (`cache.num_kv_blocks`), which the scheduler's KV manager then gets.
         self.executor = executor if executor is not None else make_executor(config)
+        try:
+            self.plugin_manager = TandemPluginManager(config, side="engine", source=source)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.hook = self.plugin_manager.hook
         self.batch_queue_size = config.max_concurrent_batches
         self.batch_queue: deque[QueuedStep] = deque()
         self.live = LiveRequests(self.hook)

@@ -45,6 +45,7 @@ from tandem.core.plugin_error import HookSite, failing_hook
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker import parallel_state
 from tandem.core.worker.device import resolve_device
+from tandem.core.worker.kv_memory import fit_kv_cache
 from tandem.core.worker.parallel_state import RankInfo
 from tandem.core.worker.worker import Worker
 from tandem.schema.config import EngineConfig
@@ -62,6 +63,7 @@ class InProcessExecutor(Executor):
 
     def __init__(self, config: EngineConfig, worker: Worker | None = None) -> None:
         self.worker = worker if worker is not None else Worker(config)
+        fit_kv_cache(config, self)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[None]:
         return completed(self.worker.execute_model, scheduler_output)
@@ -80,7 +82,12 @@ class ThreadExecutor(Executor):
 
     def __init__(self, config: EngineConfig) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-worker")
-        self.worker = self._pool.submit(Worker, config).result()
+        try:
+            self.worker = self._pool.submit(Worker, config).result()
+            fit_kv_cache(config, self)
+        except BaseException:
+            self._pool.shutdown(wait=True)
+            raise
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[None]:
         return self._pool.submit(self.worker.execute_model, scheduler_output)
@@ -309,7 +316,12 @@ class ProcessExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self._worker = WorkerProcess(config, "worker")
         self.process = self._worker.process
-        self._worker.wait_started()
+        try:
+            self._worker.wait_started()
+            fit_kv_cache(config, self)
+        except BaseException:
+            self._worker.shutdown()
+            raise
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[None]:
         return self._worker.send(encode_step(scheduler_output))

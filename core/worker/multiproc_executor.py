@@ -15,6 +15,7 @@ from tandem.core.messages import CallWorker, SampleTokens, TensorData, encode
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.executors import WorkerProcess, encode_step
+from tandem.core.worker.kv_memory import fit_kv_cache
 from tandem.core.worker.parallel_state import RankInfo
 from tandem.core.worker.shm_all_reduce import create_shm_file
 from tandem.schema.config import EngineConfig, ParallelConfig
@@ -78,6 +79,7 @@ def rank_infos(parallel: ParallelConfig) -> list[RankInfo]:
             tp_size=parallel.tensor_parallel_size,
             pp_size=parallel.pipeline_parallel_size,
             local_rank=r,
+            local_world_size=parallel.world_size,
         )
         for r in range(parallel.world_size)
     ]
@@ -115,6 +117,7 @@ class MultiprocExecutor(RankedExecutor):
         try:
             for worker in self._workers:  # all spawned first: each blocks until all joined
                 worker.wait_started()
+            fit_kv_cache(config, self)
         except BaseException:
             self.shutdown()
             raise

@@ -31,6 +31,8 @@ class RankInfo:
     tp_size: int = 1
     pp_size: int = 1
     local_rank: int = 0
+    #: Ranks on this rank's host (they share its memory).
+    local_world_size: int = 1
     host: str = field(default_factory=socket.gethostname)
 
     def __post_init__(self) -> None:

@@ -28,6 +28,7 @@ from tandem.core.messages import FromWorker, ToWorker, WorkerError, WorkerReply,
 from tandem.core.worker import parallel_state
 from tandem.core.worker.device import resolve_device
 from tandem.core.worker.executors import WorkerProcessError, answer, settle, start_worker
+from tandem.core.worker.kv_memory import fit_kv_cache
 from tandem.core.worker.multiproc_executor import RankedExecutor, rank_infos, uses_shm_all_reduce
 from tandem.core.worker.parallel_state import RankInfo
 from tandem.core.worker.shm_all_reduce import create_shm_file
@@ -142,6 +143,7 @@ class RayExecutor(RankedExecutor):
                 local_rank=0
                 if cuda
                 else [p.node_id for p in places[: info.rank]].count(place.node_id),
+                local_world_size=[p.node_id for p in places].count(place.node_id),
             )
             for info, place in zip(rank_infos(parallel), places, strict=True)
         ]
@@ -159,6 +161,7 @@ class RayExecutor(RankedExecutor):
         #: The process group's rendezvous (rank 0's node).
         self.init_method = f"tcp://{address}:{port}"
         self._start_workers(config)
+        fit_kv_cache(config, self)
         logger.info(
             "ray executor: %d ranks on %s",
             len(self.ranks),

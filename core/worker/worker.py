@@ -17,6 +17,7 @@ from tandem.core.worker import parallel_state
 from tandem.core.worker.block_diffusion import is_block_diffusion
 from tandem.core.worker.cpu_affinity import allowed_cpus
 from tandem.core.worker.diffusion_runner import DiffusionRunner
+from tandem.core.worker.kv_memory import fitting_blocks
 from tandem.core.worker.load_governor import LoadGovernor
 from tandem.core.worker.model_loader import load_step_model
 from tandem.core.worker.model_runner import ModelRunner, StepModel
@@ -46,7 +47,7 @@ class Worker:
         """This worker's place and resources, as plain data (`collective_rpc("describe")`):
         rank, world size, tensor-parallel rank and size, host, pid, torch threads, device,
         the KV heads its pool holds (None for a model without a paged pool), and the time,
-        calls and bytes of its collectives so far."""
+        calls and bytes of its collectives so far, and the checkpoint bytes its model read."""
         info = parallel_state.current()
         pools = getattr(self.model, "kv_caches", None)
         return {
@@ -62,7 +63,35 @@ class Worker:
             "collective_s": parallel_state.collective_time.seconds,
             "collective_calls": parallel_state.collective_time.calls,
             "collective_bytes": parallel_state.collective_time.bytes,
+            "bytes_read": getattr(self.model, "bytes_read", None),
         }
+
+    def kv_cache_capacity(self) -> dict[str, int | None]:
+        """This rank's pool (`blocks`) and how many blocks of it its device can hold
+        (`fits`, `kv_memory.fitting_blocks`); None for a model without paged pools."""
+        pools = getattr(self.model, "kv_caches", None)
+        if not pools:
+            return {"blocks": None, "fits": None}
+        blocks = int(pools[0][0].shape[0])
+        block_bytes = sum(k[0].nbytes + v[0].nbytes for k, v in pools)
+        fits = fitting_blocks(
+            self.model.device,
+            block_bytes,
+            block_bytes * blocks,
+            parallel_state.current().local_world_size,
+            self.config.cache.gpu_memory_utilization,
+        )
+        return {"blocks": blocks, "fits": fits}
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Reallocate every pool with `num_blocks` blocks (before any step: the pools hold
+        nothing yet); each old pool is released before its replacement is allocated."""
+        pools = self.model.kv_caches
+        for i in range(len(pools)):
+            specs = [((num_blocks, *t.shape[1:]), t.dtype, t.device) for t in pools[i]]
+            pools[i] = None  # the old pair's memory goes before the new pair is allocated
+            k, v = (torch.empty(shape, dtype=dtype, device=dev) for shape, dtype, dev in specs)
+            pools[i] = (k, v)
 
     def step_spans(self) -> list[tuple[int, float, float]]:
         """`spans` as plain data (`collective_rpc("step_spans")`)."""

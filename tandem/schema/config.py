@@ -98,6 +98,14 @@ class CacheConfig(_Section):
         "tensor_parallel_size x pipeline_parallel_size; vLLM-CPU's default KV space is also "
         "4 GiB per rank)",
     )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="on CUDA, the share of each GPU's memory the rank may fill (weights, "
+        "other processes and its KV pool; as vLLM's): a planned pool larger than what is "
+        "left is shrunk at start",
+    )
 
 
 class SpeculativeConfig(_Section):

@@ -26,6 +26,10 @@ encoder's image-embedding path is never entered). `use_bidirectional_attention =
 their KV. Positions are sequence indices (position of token i is i), as in `generate()`.
 
 dtype: bfloat16 on CUDA, float32 on the CPU ("auto"); the CPU path has no CUDA-only code.
+
+Tensor parallelism: with more than one tensor-parallel rank (`parallel_state.current()`)
+every layer holds this rank's heads, MLP columns and experts, and the pools only its KV
+heads (`diffusion_gemma_parallel`, which says what is split and what is replicated).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.core.worker import parallel_state
 from tandem.core.worker.block_diffusion import DenoiseContext
 from tandem.core.worker.flat_batch import FlatBatch
 from tandem.models.diffusion_gemma_attention import (
@@ -48,16 +53,27 @@ from tandem.models.diffusion_gemma_attention import (
 )
 from tandem.models.diffusion_gemma_context import ContextCache, ContextGroup, row_windows
 from tandem.models.diffusion_gemma_layers import Attend, attention_block, feed_forward
+from tandem.models.diffusion_gemma_parallel import (
+    LayerHeads,
+    check_divisible,
+    first_expert,
+    shard_layers,
+)
 from tandem.models.kv_layer_groups import KVLayerGroup, KVPools, LayerKVShape, group_layers
+from tandem.models.tensor_parallel import kv_heads_per_rank
+from tandem.models.weight_release import own_remaining_parameters
 
 
-def kv_layer_groups(text_config) -> list[KVLayerGroup]:  # noqa: ANN001
-    """The KV layer groups of a `DiffusionGemmaTextConfig` (sliding and full layers)."""
+def kv_layer_groups(text_config, tp_size: int = 1) -> list[KVLayerGroup]:  # noqa: ANN001
+    """The KV layer groups of a `DiffusionGemmaTextConfig` (sliding and full layers), as one
+    of `tp_size` tensor-parallel ranks holds them: its KV heads only (`kv_heads_per_rank`:
+    `Hkv / tp`, or 1 replicated head when `Hkv < tp`)."""
     shapes = []
     for i, layer_type in enumerate(text_config.layer_types):
-        layer = text_config.per_layer_config[i]
+        heads = kv_heads_per_rank(LayerHeads(text_config, i), tp_size)
+        head_dim = text_config.per_layer_config[i].head_dim
         sliding = text_config.sliding_window if layer_type == "sliding_attention" else None
-        shapes.append(LayerKVShape(layer.num_key_value_heads, layer.head_dim, False, sliding))
+        shapes.append(LayerKVShape(heads, head_dim, False, sliding))
     return group_layers(shapes)
 
 
@@ -100,7 +116,15 @@ class DiffusionGemmaModel:
         self.vocab_size: int = int(text.vocab_size)
         self.encoder = self.hf.model.encoder.language_model
         self.decoder = self.hf.model.decoder
-        self.kv_groups = kv_layer_groups(text)
+        #: This rank's place; with several tensor-parallel ranks the layers hold its part.
+        self.rank = parallel_state.current()
+        check_divisible(text, self.rank.tp_size)
+        if self.rank.tp_size > 1:
+            shard_layers(text, [self.encoder.layers, self.decoder.layers], self.rank)
+            own_remaining_parameters(self.hf)  # the replicated rest leaves the file mapping
+        #: Global index of this rank's first expert (None: one rank holds them all).
+        self.first_expert = first_expert(text, self.rank)
+        self.kv_groups = kv_layer_groups(text, self.rank.tp_size)
         self.kv = KVPools(self.kv_groups, num_blocks, block_size, dtype, device)
         self.context_cache = ContextCache(block_size)
 
@@ -146,7 +170,8 @@ class DiffusionGemmaModel:
             attend = partial(
                 self._encoder_attend, i, batch.slot_mapping, windows[window], qsl, starts, window
             )
-            hidden = feed_forward(layer, attention_block(layer, hidden, cos, sin, attend))
+            hidden = attention_block(layer, hidden, cos, sin, attend)
+            hidden = feed_forward(layer, hidden, self.first_expert)
 
     def _encoder_attend(
         self,
@@ -198,7 +223,8 @@ class DiffusionGemmaModel:
         attends = self._decoder_attends(context, length)
         for i, layer in enumerate(self.decoder.layers):
             cos, sin = rope[self.text_config.layer_types[i]]
-            hidden = feed_forward(layer, attention_block(layer, hidden, cos, sin, attends[i]))
+            hidden = attention_block(layer, hidden, cos, sin, attends[i])
+            hidden = feed_forward(layer, hidden, self.first_expert)
         hidden = self.decoder.norm(hidden)
         logits = self.hf.lm_head(hidden).to(torch.float32)
         cap = self.hf.final_logit_softcapping
@@ -263,8 +289,10 @@ class DiffusionGemmaModel:
         return out.reshape(query.shape)
 
 
-def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:  # noqa: ANN001
-    """KV bytes one token takes in every layer of a `DiffusionGemmaConfig` (sum over the
-    layer groups): what a KV memory budget divides, instead of `hf_model.kv_bytes_per_token`
-    (which assumes one shape for all layers)."""
-    return sum(group.bytes_per_token(dtype) for group in kv_layer_groups(hf_config.text_config))
+def kv_bytes_per_token(hf_config, dtype: torch.dtype, tp_size: int = 1) -> int:  # noqa: ANN001
+    """KV bytes one token takes in every layer of a `DiffusionGemmaConfig` on one of
+    `tp_size` tensor-parallel ranks (sum over the layer groups of its KV heads): what a
+    per-rank KV memory budget divides, instead of `hf_model.kv_bytes_per_token` (which
+    assumes one shape for all layers)."""
+    groups = kv_layer_groups(hf_config.text_config, tp_size)
+    return sum(group.bytes_per_token(dtype) for group in groups)

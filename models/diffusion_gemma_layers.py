@@ -12,6 +12,11 @@ is transformers' (M:`DiffusionGemmaEncoderTextLayer.forward`):
     out = (h + post_ffw_norm(d + m)) * layer_scalar
 
 Both branches run in every layer.
+
+Under tensor parallelism (`diffusion_gemma_parallel`) the layer's weights are this rank's
+part: `attention_block` all-reduces the row-parallel `o_proj` output, and `feed_forward`
+all-reduces the dense and MoE partial sums together, as one `[T, 2 * hidden]` tensor,
+before their norms (`reduce_branches`). Both are no-ops on one rank.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tandem.core.worker.parallel_state import current, tp_all_reduce
 from tandem.models.diffusion_gemma_attention import project_qkv
 
 #: attention callback: (query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, D]) -> [T, Hq, D]
@@ -41,7 +47,11 @@ def route(router: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def moe_reference(
-    experts: torch.nn.Module, hidden: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
+    experts: torch.nn.Module,
+    hidden: torch.Tensor,
+    weights: torch.Tensor,
+    index: torch.Tensor,
+    first_expert: int | None = None,
 ) -> torch.Tensor:
     """Mixture of experts, the reference loop (what transformers' eager path computes); the
     documented reference of `moe_grouped`, which the layers run.
@@ -51,6 +61,10 @@ def moe_reference(
     down-project, scale by the routing weight, and `index_add_` back. A token picks an
     expert at most once, so the sum order within an expert is irrelevant and the result
     equals transformers' loop bit for bit on the same device and dtype.
+
+    `first_expert`: None when `experts` holds every expert; else the global index of its
+    first (expert parallelism): pairs routed to experts it does not hold are skipped, and
+    the result is this rank's partial sum.
 
     On a GPU this would be fused rather than looped (one host sync per expert here):
     sort the `T * k` (token, expert) pairs by expert (`argsort` of `index.flatten()`, plus
@@ -63,8 +77,12 @@ def moe_reference(
     experts' weights is the memory-bound optimum.
     """
     out = torch.zeros_like(hidden)
-    for expert in torch.unique(index).tolist():
-        token, slot = torch.where(index == expert)
+    first = first_expert or 0
+    local = index - first
+    for expert in torch.unique(local).tolist():
+        if not 0 <= expert < experts.gate_up_proj.shape[0]:
+            continue  # another rank's expert
+        token, slot = torch.where(local == expert)
         rows = hidden.index_select(0, token)
         gate, up = F.linear(rows, experts.gate_up_proj[expert]).chunk(2, dim=-1)
         mixed = F.linear(experts.act_fn(gate) * up, experts.down_proj[expert])
@@ -83,8 +101,26 @@ def _grouped_mm_fits(experts: torch.nn.Module) -> bool:
     return gate_up.device.type == "cpu" and hasattr(torch, "_grouped_mm") and aligned
 
 
+def _local_pairs(
+    index: torch.Tensor, first_expert: int | None, num_local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs of `index [T, k]` whose expert this rank holds, as flat pair
+    numbers `t * k + slot`, and their local expert index (global minus `first_expert`).
+    With `first_expert` None every pair is local."""
+    flat = index.reshape(-1)
+    if first_expert is None:
+        return torch.arange(flat.numel(), device=flat.device), flat
+    local = flat - first_expert
+    pair = ((local >= 0) & (local < num_local)).nonzero().squeeze(1)
+    return pair, local.index_select(0, pair)
+
+
 def moe_grouped(
-    experts: torch.nn.Module, hidden: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
+    experts: torch.nn.Module,
+    hidden: torch.Tensor,
+    weights: torch.Tensor,
+    index: torch.Tensor,
+    first_expert: int | None = None,
 ) -> torch.Tensor:
     """`moe_reference`'s result with two grouped GEMMs and no per-expert host sync.
 
@@ -95,15 +131,21 @@ def moe_grouped(
     row is the same dot products as the reference's per-expert `F.linear` and each token
     sums its k experts in the same ascending-expert order, so on this CPU build it equals
     `moe_reference` bit for bit (tests/diffusion/test_diffusion_gemma_forward.py checks it).
-    Falls back to `moe_reference` where `_grouped_mm_fits` is False."""
+    Falls back to `moe_reference` where `_grouped_mm_fits` is False.
+
+    `first_expert` (expert parallelism, `diffusion_gemma_parallel`): `experts` holds
+    experts `first_expert ..` only; the pairs routed elsewhere are dropped before the sort
+    and the result is this rank's partial sum (zero rows for tokens with no local pair)."""
     if not _grouped_mm_fits(experts):
-        return moe_reference(experts, hidden, weights, index)
-    top_k = index.shape[1]
-    flat = index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts.gate_up_proj.shape[0])
-    offsets = torch.cumsum(counts, dim=0).to(torch.int32)
-    token = order // top_k
+        return moe_reference(experts, hidden, weights, index, first_expert)
+    num_local = experts.gate_up_proj.shape[0]
+    pair, local = _local_pairs(index, first_expert, num_local)
+    out = torch.zeros_like(hidden)
+    if pair.numel() == 0:  # no token picked this rank's experts
+        return out
+    order = pair.index_select(0, torch.argsort(local, stable=True))
+    offsets = torch.cumsum(torch.bincount(local, minlength=num_local), dim=0).to(torch.int32)
+    token = order // index.shape[1]
     rows = hidden.index_select(0, token)
     gate, up = torch._grouped_mm(rows, experts.gate_up_proj.transpose(1, 2), offs=offsets).chunk(
         2, dim=-1
@@ -112,15 +154,31 @@ def moe_grouped(
         experts.act_fn(gate) * up, experts.down_proj.transpose(1, 2), offs=offsets
     )
     mixed = mixed * weights.reshape(-1).index_select(0, order)[:, None]
-    out = torch.zeros_like(hidden)
     return out.index_add_(0, token, mixed.to(out.dtype))
 
 
-def feed_forward(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """Dense MLP plus MoE branch and the residual, `[T, hidden]` -> `[T, hidden]`."""
-    dense = layer.post_feedforward_layernorm_1(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+def reduce_branches(dense: torch.Tensor, moe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense and MoE partial sums `[T, hidden]` summed over the tensor-parallel ranks
+    with one all-reduce of `[T, 2 * hidden]` (each branch has its own norm next, so they
+    are summed apart, not together). The inputs themselves on one rank."""
+    if current().tp_size == 1:
+        return dense, moe
+    both = tp_all_reduce(torch.cat([dense, moe], dim=-1))
+    return both[:, : dense.shape[1]], both[:, dense.shape[1] :]
+
+
+def feed_forward(
+    layer: torch.nn.Module, hidden: torch.Tensor, first_expert: int | None = None
+) -> torch.Tensor:
+    """Dense MLP plus MoE branch and the residual, `[T, hidden]` -> `[T, hidden]`.
+    `first_expert`: see `moe_grouped` (None: this layer holds every expert)."""
+    dense = layer.mlp(layer.pre_feedforward_layernorm(hidden))
     weights, index = route(layer.router, hidden)
-    moe = moe_grouped(layer.experts, layer.pre_feedforward_layernorm_2(hidden), weights, index)
+    moe = moe_grouped(
+        layer.experts, layer.pre_feedforward_layernorm_2(hidden), weights, index, first_expert
+    )
+    dense, moe = reduce_branches(dense, moe)
+    dense = layer.post_feedforward_layernorm_1(dense)
     moe = layer.post_feedforward_layernorm_2(moe)
     out = hidden + layer.post_feedforward_layernorm(dense + moe)
     return out * layer.layer_scalar
@@ -133,10 +191,11 @@ def attention_block(
     sin: torch.Tensor,
     attend: Attend,
 ) -> torch.Tensor:
-    """`x + post_attn_norm(o_proj(attend(q, k, v)))` for `[T, hidden]` tokens."""
+    """`x + post_attn_norm(o_proj(attend(q, k, v)))` for `[T, hidden]` tokens; `o_proj`'s
+    output is summed over the tensor-parallel ranks (row-parallel) before the norm."""
     query, key, value = project_qkv(layer.self_attn, layer.input_layernorm(hidden), cos, sin)
     attended = attend(query, key, value)
-    out = layer.self_attn.o_proj(attended.reshape(hidden.shape[0], -1))
+    out = tp_all_reduce(layer.self_attn.o_proj(attended.reshape(hidden.shape[0], -1)))
     return hidden + layer.post_attention_layernorm(out)
 
 
@@ -146,6 +205,7 @@ def layer_forward(
     cos: torch.Tensor,
     sin: torch.Tensor,
     attend: Attend,
+    first_expert: int | None = None,
 ) -> torch.Tensor:
     """The whole layer (attention, then dense + MoE feed-forward)."""
-    return feed_forward(layer, attention_block(layer, hidden, cos, sin, attend))
+    return feed_forward(layer, attention_block(layer, hidden, cos, sin, attend), first_expert)

@@ -14,6 +14,11 @@ directory holds a DiffusionGemma checkpoint (`config.json` `model_type` `diffusi
   defaults (`DiffusionGemmaGenerationConfig._get_default_generation_params`).
 - `load`: `DiffusionGemmaModel` on CUDA in bfloat16 when there is a GPU, else float32 on
   the CPU (`model.dtype: auto`).
+
+Tensor parallelism is supported (`diffusion_gemma_parallel`): `resolve_limits` refuses
+sizes that do not split over `parallel.tensor_parallel_size` and sizes the pool from one
+rank's KV heads (the KV budget is per rank, as for the autoregressive loader). Pipeline
+parallelism is not (no `supports_pipeline_parallel`: the config resolution refuses it).
 """
 
 from __future__ import annotations
@@ -69,6 +74,8 @@ class DiffusionGemmaLoader:
     has_tokenizer: ClassVar[bool] = True
     simulatable: ClassVar[bool] = False
     is_diffusion: ClassVar[bool] = True
+    #: Heads, MLP columns and experts split across `parallel.tensor_parallel_size` ranks.
+    supports_tensor_parallel: ClassVar[bool] = True
 
     @staticmethod
     def claims(model_dir: Path) -> bool:
@@ -86,6 +93,7 @@ class DiffusionGemmaLoader:
         from transformers import AutoConfig
 
         from tandem.models.diffusion_gemma import kv_bytes_per_token
+        from tandem.models.diffusion_gemma_parallel import check_divisible
 
         model = config.model
         model_dir = Path(model.model)
@@ -93,6 +101,8 @@ class DiffusionGemmaLoader:
             raise ConfigError(f"model.model: {model_dir} is not a DiffusionGemma directory")
         hf = AutoConfig.from_pretrained(str(model_dir))
         text = hf.text_config
+        tp = config.parallel.tensor_parallel_size
+        check_divisible(text, tp)
         model.vocab_size = int(text.vocab_size)
         if model.eos_token_id is None:
             eos = text.eos_token_id
@@ -101,7 +111,7 @@ class DiffusionGemmaLoader:
             model.max_model_len = int(text.max_position_embeddings)
         if config.cache.num_kv_blocks is None:
             _, dtype = _device_and_dtype(model)
-            per_block = kv_bytes_per_token(hf, dtype) * config.cache.block_size
+            per_block = kv_bytes_per_token(hf, dtype, tp) * config.cache.block_size
             budget = int(config.cache.kv_cache_memory_gib * (1 << 30))
             config.cache.num_kv_blocks = max(1, budget // per_block)
             capacity = config.cache.num_kv_blocks * config.cache.block_size

@@ -24,17 +24,27 @@ its canvases (DiffusionGemma: `diffusion_gemma_context.ContextCache`).
 (no commit: a canvas step that goes on, or a causal-only step). A new request whose own data
 cannot be put in the batch (a seed past 64 bits) is left out of every step and reported in
 `ModelRunnerOutput.failed`, as in the autoregressive runner: it ends alone.
+
+Tensor parallelism: every rank runs this runner on the same scheduler outputs and must take
+the same steps (the model's all-reduces pair up) and commit the same tokens (the next
+encode reads them). All draws are keyed by the request's seed; an unseeded request's seed
+is drawn here, from a stream every rank seeds alike (`torch.initial_seed()`, which the
+multi-rank executors set to `model.seed` on every rank) when there are several ranks, and
+from the OS's entropy on one. Nothing else depends on the rank: the logits are the same
+bits on every rank (they follow the all-reduces), so the sampler's choices are too.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from typing import Any
 
 import torch
 
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.worker import parallel_state
 from tandem.core.worker.block_diffusion import BlockDiffusionModel, DenoiseContext
 from tandem.core.worker.diffusion_state import (
     CanvasState,
@@ -76,6 +86,9 @@ class DiffusionRunner:
         #: Requests whose own inputs could not be prepared: left out of every step until the
         #: scheduler reports them finished (the kernel ends them with their error).
         self._excluded: set[str] = set()
+        #: Seeds of unseeded requests: the same stream on every rank (module docstring).
+        several = parallel_state.current().world_size > 1
+        self._seeds = random.Random(torch.initial_seed() if several else None)
 
     # Executing a step ----------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> dict[str, str]:
@@ -97,9 +110,10 @@ class DiffusionRunner:
                 ib.add_new(new)
                 params = new.sampling_params
                 eos = () if params.ignore_eos or new.eos_token_id is None else (new.eos_token_id,)
+                seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
                 self.states.admit(
                     new.req_id,
-                    params.seed,
+                    seed,
                     eos,
                     len(new.token_ids) - new.num_prompt_tokens,
                     self.model.canvas_length,

@@ -48,6 +48,10 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[TokenLogprobs] | None] | None = None
     draft_token_ids: dict[str, list[int]] | None = None
+    #: Per request that verified drafts this step: how many of them it rejected. The
+    #: scheduler rolls `num_computed_tokens` (and, under async scheduling, the output
+    #: placeholders) back by exactly this delta; accepted = verified - rejected.
+    num_rejected_drafts: dict[str, int] = field(default_factory=dict)
     #: Requests whose sampling failed this step, with the reason: the kernel ends each with
     #: `finish_reason == "error"` before `update_from_output` (their tokens are dummies).
     failed: dict[str, str] = field(default_factory=dict)

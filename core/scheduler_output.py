@@ -39,12 +39,12 @@ class NewRequestData:
 class CachedRequestData:
     """A running request the worker already holds: only what changed since last step.
 
-    `num_computed_tokens` is the scheduler's count when it planned the step, a claim the
-    worker checks against its own count (advanced by what it executed, minus the drafts
-    it rejected) and never adopts. Under synchronous scheduling the two are equal. Under
-    async scheduling the scheduler may plan a step before it has processed the results of
-    the step in flight, so its count may exceed the worker's by the drafts of that step
-    the worker rejected, and by nothing else.
+    `num_computed_tokens` is the scheduler's count when it planned the step, for observers
+    (tracing, tests); the worker keeps its own count (advanced by what it executed, minus
+    the drafts it rejected, which it reports as explicit deltas:
+    `ModelRunnerOutput.num_rejected_drafts`). Under synchronous scheduling the two are
+    equal. Under async scheduling the scheduler may plan a step before it has applied the
+    deltas of the step in flight, so its count may exceed the worker's by them.
     """
 
     req_id: str
@@ -58,7 +58,8 @@ class SchedulerOutput:
 
     `num_scheduled_tokens[req_id]` tokens of each request are computed, starting at the
     worker's count of its computed tokens (equal to `num_computed_tokens` as sent here,
-    the value before this step's update, up to the slack `CachedRequestData` states).
+    the value before this step's update, less the rejected drafts the scheduler has not
+    applied yet: see `CachedRequestData`).
     Drafts to verify are in `scheduled_spec_decode_tokens` and are included in the count:
     real ids, or under async scheduling `-1` placeholders that the worker fills with its
     latest proposal (`drafts_to_verify`).

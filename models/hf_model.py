@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from tandem.core.worker import parallel_state
+from tandem.core.worker.draft_context import DraftTarget
 from tandem.core.worker.flat_batch import FlatBatch
 from tandem.core.worker.parallel_state import RankInfo, tp_all_gather
 from tandem.core.worker.pipeline import PipelineLink, stage_layers
@@ -223,3 +224,9 @@ class HFStepModel:
         if self.rank.tp_size > 1:  # every rank gets the whole vocabulary's logits
             logits = tp_all_gather(logits)[:, : self.vocab_size]
         return logits.contiguous()
+
+    def draft_target(self) -> DraftTarget:
+        """What a model-based drafter reads of this model (`models/draft_target.py`)."""
+        from tandem.models.draft_target import hf_draft_target
+
+        return hf_draft_target(self)

@@ -353,8 +353,12 @@ class ReferenceScheduler(TandemPlugin):
             scheduled_spec = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
             if scheduled_spec and generated:
                 num_draft = len(scheduled_spec)
-                num_accepted = max(len(generated) - self.num_sampled_tokens_per_step, 0)
-                num_rejected = num_draft - num_accepted
+                # The worker's explicit delta; a runner without it: inferred from the tokens.
+                num_rejected = model_runner_output.num_rejected_drafts.get(
+                    request_id,
+                    num_draft - max(len(generated) - self.num_sampled_tokens_per_step, 0),
+                )
+                num_accepted = num_draft - num_rejected
                 # Rejections roll back num_computed_tokens and the placeholders that covered
                 # the drafts; a stale count predates the preemption rollback.
                 if not is_stale:

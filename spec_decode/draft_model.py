@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.core import hookimpl
-from tandem.core.worker.draft_context import DraftContext
+from tandem.core.worker.draft_context import DraftContext, DraftTarget
 from tandem.core.worker.flat_batch import FlatBatch
 from tandem.schema.config import ConfigError, EngineConfig
 from tandem.spec_decode.draft_kv import (
@@ -55,14 +55,17 @@ class DraftModelDrafter:
         self.block_size = self.tables.block_size
         self.model: Any = None
 
-    def _setup(self, target: Any) -> Any:
+    def _setup(self, target: DraftTarget | None) -> Any:
         from tandem.models.cpu_kernels import paged_decode_kernel
         from tandem.models.hf_model import HFStepModel
         from tandem.models.model_files import resolve_model_dir
 
-        device = target.device
-        weights = getattr(getattr(target, "model", None), "dtype", None)
-        dtype = weights if isinstance(weights, torch.dtype) else torch.float32
+        if target is None:
+            raise ConfigError(
+                "draft-model-drafter needs a target model that offers a DraftTarget "
+                "(its device, dtype and vocabulary)"
+            )
+        device, dtype = target.device, target.dtype
         use_kernel = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
         model = HFStepModel(
             model_dir=resolve_model_dir(self.model_name),

@@ -27,7 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.core import hookimpl
-from tandem.core.worker.draft_context import DraftContext
+from tandem.core.worker.draft_context import DraftContext, DraftTarget
 from tandem.schema.config import ConfigError, EngineConfig
 from tandem.spec_decode.draft_kv import DraftBlockTables, valid_rows
 from tandem.spec_decode.eagle_head import CONFIG_FILE, EagleHead, load_eagle_head
@@ -49,24 +49,13 @@ class _Serving:
     """What the drafter builds on its first call, from the target it serves."""
 
     head: EagleHead
-    embed: torch.nn.Module
-    rotary: torch.nn.Module
+    target: DraftTarget
+    #: The draft vocabulary's LM-head rows (None: the target's whole LM head).
     lm_head: Any
     #: Target token id of each LM-head row the drafter scores (None: all, in order).
     draft_vocab: torch.Tensor | None
     tables: DraftBlockTables
     kv: list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def _target_parts(target: Any) -> tuple[torch.nn.Module, torch.nn.Module, Any, Any]:
-    """(embedding, rotary module, LM head, HF config) of an `HFStepModel` target."""
-    causal_lm = getattr(target, "model", None)
-    inner = getattr(causal_lm, "model", None)
-    if inner is None or not hasattr(inner, "embed_tokens") or not hasattr(inner, "rotary_emb"):
-        raise ConfigError(
-            f"eagle-drafter needs a Llama-family transformers target, got {type(target).__name__}"
-        )
-    return inner.embed_tokens, inner.rotary_emb, target.lm_head, causal_lm.config
 
 
 class EagleDrafter:
@@ -102,9 +91,14 @@ class EagleDrafter:
         self.block_size = self.tables.block_size
         self._serving: _Serving | None = None
 
-    def _setup(self, target: Any) -> _Serving:
-        embed, rotary, lm_head, hf_config = _target_parts(target)
-        head = load_eagle_head(self.head_dir, device=target.device, dtype=embed.weight.dtype)
+    def _setup(self, target: DraftTarget | None) -> _Serving:
+        if target is None:
+            raise ConfigError(
+                "eagle-drafter needs a target model that offers a DraftTarget (a Llama-family "
+                "transformers model)"
+            )
+        hf_config = target.hf_config
+        head = load_eagle_head(self.head_dir, device=target.device, dtype=target.dtype)
         cfg = head.config
         if (cfg.target_vocab_size, cfg.target_hidden_size) != (
             hf_config.vocab_size,
@@ -125,18 +119,17 @@ class EagleDrafter:
         shape = (tables.total_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         kv = [
             (
-                torch.zeros(shape, dtype=embed.weight.dtype, device=target.device),
-                torch.zeros(shape, dtype=embed.weight.dtype, device=target.device),
+                torch.zeros(shape, dtype=target.dtype, device=target.device),
+                torch.zeros(shape, dtype=target.dtype, device=target.device),
             )
         ]
         draft_vocab = head.draft_vocab
+        lm_head = None
         if draft_vocab is not None:
             from tandem.models.packed_linear import PackedLinear
 
-            # The target's LM head holds one copy of its weight (h16 item 6: the HF
-            # parameter is released once packed); `dense_weight` unpacks it for the rows.
-            lm_head = PackedLinear(target.lm_head.dense_weight()[draft_vocab])
-        return _Serving(head, embed, rotary, lm_head, draft_vocab, tables, kv)
+            lm_head = PackedLinear(target.lm_head_rows(draft_vocab))
+        return _Serving(head, target, lm_head, draft_vocab, tables, kv)
 
     @staticmethod
     def _attend(
@@ -162,8 +155,8 @@ class EagleDrafter:
         positions: torch.Tensor,
         meta: PagedAttentionMetadata,
     ) -> torch.Tensor:
-        embeds = s.embed(tokens)
-        cos, sin = s.rotary(embeds[None], positions[None])
+        embeds = s.target.embed(tokens).to(s.target.dtype)
+        cos, sin = s.target.rotary(embeds[None], positions[None])
         return s.head(
             embeds,
             hidden,
@@ -174,8 +167,9 @@ class EagleDrafter:
 
     @staticmethod
     def _greedy(s: _Serving, feature: torch.Tensor) -> torch.Tensor:
-        best = s.lm_head(feature).argmax(-1)
-        return best if s.draft_vocab is None else s.draft_vocab[best]
+        if s.lm_head is None:
+            return s.target.logits(feature).argmax(-1)
+        return s.draft_vocab[s.lm_head(feature).argmax(-1)]
 
     @hookimpl
     def propose_drafts(self, context: DraftContext) -> list[list[int]]:

@@ -373,15 +373,11 @@ def _resolve_parallel(config: EngineConfig, loader: type) -> None:
             "supports_pipeline_parallel)"
         )
     spec = config.speculative
-    if spec is not None and spec.method != "ngram":
-        split = (
-            f"parallel.pipeline_parallel_size {pp} splits into stages"
-            if pp > 1
-            else f"parallel.tensor_parallel_size {parallel.tensor_parallel_size} splits"
-        )
+    if spec is not None and pp > 1 and spec.method != "ngram":
         raise ConfigError(
-            f"speculative.method: {spec.method!r} reads the target model's layers, which "
-            f"{split}; only 'ngram' runs with tensor or pipeline parallelism"
+            f"speculative.method: {spec.method!r} reads the target's embedding and hidden "
+            f"states, which parallel.pipeline_parallel_size {pp} puts on different stages; "
+            "only 'ngram' runs with pipeline parallelism"
         )
 
 

@@ -2,12 +2,41 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tandem.core.worker.flat_batch import FlatBatch
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTarget:
+    """The target model as a drafter reads it: sizes and four functions, never the live
+    model (`StepModel.draft_target()` builds it; a model without one serves no model-based
+    drafter).
+
+    - `embed(ids [T])`: the target's token embeddings `[T, hidden]`;
+    - `rotary(x [1, T, *], positions [1, T])`: the target's RoPE terms `(cos, sin)`;
+    - `logits(hidden [N, hidden])`: the target's LM head over the whole vocabulary,
+      `[N, vocab_size]`;
+    - `lm_head_rows(ids [n])`: the LM head's weight rows of those token ids `[n, hidden]`.
+
+    Under tensor parallelism `embed`, `logits` and `lm_head_rows` are collective (each rank
+    holds a vocabulary shard): every rank calls them with the same arguments in the same
+    order, which a drafter running identically on every rank does. `hf_config` is the
+    target's transformers config, for its sizes only (hidden size, heads, head_dim).
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    hf_config: Any
+    embed: Callable[[torch.Tensor], torch.Tensor]
+    rotary: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    logits: Callable[[torch.Tensor], torch.Tensor]
+    lm_head_rows: Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -21,8 +50,8 @@ class DraftContext:
 
     Model-based drafters also get the step itself:
 
-    - `target`: the runner's `StepModel` (for an HF target, `HFStepModel`: embedding, LM
-      head, rotary, device, dtype);
+    - `target`: the target model's `DraftTarget` (embedding, RoPE, LM head, sizes; None
+      for a model that offers none);
     - `batch`: the step's `FlatBatch`; request i is `batch.req_ids[batch_index[i]]`, its
       rows are `batch.query_start_loc[batch_index[i]]` onwards, at positions from
       `num_computed_tokens[i]`;
@@ -44,7 +73,7 @@ class DraftContext:
     sampled_token_ids: list[list[int]]
     num_spec_tokens: int
     hidden_states: torch.Tensor | None = None
-    target: Any = None
+    target: DraftTarget | None = None
     batch: FlatBatch | None = None
     batch_index: list[int] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)

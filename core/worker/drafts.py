@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from tandem.core.scheduler_output import SchedulerOutput, drafts_to_verify
-from tandem.core.worker.draft_context import DraftContext
+from tandem.core.worker.draft_context import DraftContext, DraftTarget
 from tandem.core.worker.flat_batch import FlatBatch
 from tandem.core.worker.input_batch import InputBatch
 
@@ -69,7 +69,7 @@ class DraftStore:
         input_batch: InputBatch,
         sampled_rows: list[list[int]],
         hidden: torch.Tensor | None,
-        target: Any,
+        target: DraftTarget | None,
     ) -> tuple[dict[str, list[int]] | None, dict[str, str]]:
         """Ask the drafter for the next step's drafts (None without a drafter) and return
         them with the requests whose drafting failed ({id: reason}, see the module

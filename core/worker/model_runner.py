@@ -107,6 +107,10 @@ class ModelRunner:
         self.pipeline = PipelineLink(rank) if rank.pp_size > 1 else None
         self.samples = self.pipeline is None or self.pipeline.is_last
         self.drafts = DraftStore(num_spec_tokens, runs_drafter=self.samples)
+        #: What a model-based drafter reads of the target (None without drafts, or for a
+        #: model that offers no `draft_target()`).
+        make_target = getattr(model, "draft_target", None)
+        self.draft_target = make_target() if num_spec_tokens and make_target else None
         self._awaiting: deque[AwaitedStep] = deque()
         #: Sampled ids stay on the device between steps (no drafter: drafters read them).
         self.device_outputs = (
@@ -166,25 +170,15 @@ class ModelRunner:
         return failed
 
     def _update_cached(self, cached: list[CachedRequestData]) -> None:
-        """Append the new blocks of running requests and check the scheduler's claimed
-        `num_computed_tokens` of each: this worker's count, or under async scheduling at
-        most the drafts it rejected in the step the scheduler had not processed more."""
+        """Append the new blocks of running requests. The worker's own count of computed
+        tokens (advanced by what it executed, minus the drafts it rejected, which it
+        reports as `num_rejected_drafts`) is where each step starts; the scheduler's
+        `num_computed_tokens` is not read."""
         ib = self.input_batch
         row_of = ib.req_id_to_row
-        rows = [row_of[c.req_id] for c in cached]
-        index = host_int64(rows)
-        own = ib.num_computed_tokens[index].tolist()
-        slack = ib.num_rejected[index].tolist() if self.async_scheduling else [0] * len(rows)
-        for c, row, count, extra in zip(cached, rows, own, slack, strict=True):
-            if not count <= c.num_computed_tokens <= count + extra:
-                raise AssertionError(
-                    f"request {c.req_id}: the scheduler's num_computed_tokens "
-                    f"{c.num_computed_tokens} is not the worker's {count} (it may exceed it "
-                    f"only under async scheduling, by the {extra} drafts rejected in the step "
-                    "it had not processed)"
-                )
+        for c in cached:
             if c.new_block_ids:
-                ib.block_table.append(row, c.new_block_ids)
+                ib.block_table.append(row_of[c.req_id], c.new_block_ids)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> FlatBatch:
         """The step's flattened inputs, for the scheduled requests in row order."""
@@ -286,15 +280,22 @@ class ModelRunner:
             return pending
         sampled_rows: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs = None
+        num_rejected: dict[str, int] = {}
         if result is not None:
             sampled = result.sampled_token_ids.cpu()
             for r, row in zip(batch.sample_req_indices, sampled.tolist(), strict=True):
                 sampled_rows[r] = [t for t in row if t >= 0]
-            self.input_batch.append_sampled(
-                self.input_batch.rows_of(sampling),
-                sampled,
-                host_int64(batch.num_draft_tokens),
-            )
+            rows = self.input_batch.rows_of(sampling)
+            self.input_batch.append_sampled(rows, sampled, host_int64(batch.num_draft_tokens))
+            if batch.num_draft_tokens:  # the drafts each rejected (explicit deltas)
+                rejected = self.input_batch.num_rejected[rows].tolist()
+                num_rejected = {
+                    req_id: n
+                    for req_id, n, verified in zip(
+                        sampling, rejected, batch.num_draft_tokens, strict=True
+                    )
+                    if verified
+                }
             if result.logprobs is not None:
                 logprobs = logprobs_per_request(
                     len(batch.req_ids),
@@ -305,7 +306,7 @@ class ModelRunner:
                     result.logprobs,
                 )
         drafts, draft_failures = self.drafts.propose(
-            self.hooks, batch, self.input_batch, sampled_rows, hidden, self.model
+            self.hooks, batch, self.input_batch, sampled_rows, hidden, self.draft_target
         )
         if self.pipeline is not None and self.num_spec_tokens and result is not None:
             self._send_sampled(result, list(failures), [(drafts or {}).get(r) for r in sampling])
@@ -315,6 +316,7 @@ class ModelRunner:
             sampled_token_ids=sampled_rows,
             logprobs=logprobs,
             draft_token_ids=drafts,
+            num_rejected_drafts=num_rejected,
             failed={**failed, **draft_failures},
             prompt_logprobs=prompt_logprobs,
         )

@@ -7,6 +7,7 @@ the engine without a hang."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 from collections.abc import Iterator
@@ -110,6 +111,40 @@ def test_ngram_drafts_under_two_ranks(tiny_dirs: dict[str, Path], closing: list[
     assert _tokens(two, repetitive) == _tokens(one, repetitive)
 
 
+def test_eagle_drafts_under_two_ranks(
+    tiny_dirs: dict[str, Path], closing: list[LLM], tmp_path: Path
+) -> None:
+    """EAGLE reads the target through its `DraftTarget`: the vocabulary-parallel embedding
+    and the LM-head shards gathered. A head that memorised the target's continuations of
+    some prompts gets drafts accepted; tokens and acceptance equal one rank's."""
+    from tandem.testing.memorized_eagle_head import train_memorized_head
+
+    rng = random.Random(21)
+    prompts = [[rng.randrange(3, 300) for _ in range(8)] for _ in range(6)]
+    head = train_memorized_head(tiny_dirs["llama"], prompts, 24, tmp_path / "head")
+    spec = {"method": "eagle", "num_speculative_tokens": 3, "model": str(head)}
+    one, two = _pair(tiny_dirs["llama"], closing, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    tokens = [list(o.outputs[0].token_ids) for o in one.generate(prompts, params)]
+    assert [list(o.outputs[0].token_ids) for o in two.generate(prompts, params)] == tokens
+    metrics = _scheduler(two).spec_metrics.as_dict()
+    assert metrics["num_accepted_tokens"] > 0, metrics
+    assert metrics == _scheduler(one).spec_metrics.as_dict()
+
+
+def test_a_draft_model_under_two_ranks(tiny_dirs: dict[str, Path], closing: list[LLM]) -> None:
+    """The draft model is built on each rank like the target, so it is split the same way
+    (its own shards and collectives); the target as its own drafter has every draft
+    accepted, and the tokens are one rank's."""
+    model = str(tiny_dirs["llama"])
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": model}
+    one, two = _pair(tiny_dirs["llama"], closing, speculative_config=spec)
+    assert _tokens(two, GREEDY) == _tokens(one, GREEDY)
+    metrics = _scheduler(two).spec_metrics.as_dict()
+    assert metrics["num_draft_tokens"] > 0
+    assert metrics["num_accepted_tokens"] == metrics["num_draft_tokens"], metrics
+
+
 def test_a_grammar_under_two_ranks(tiny_chat_dir: Path, closing: list[LLM]) -> None:
     plugins = ["reference-scheduler", "default-sampler", "structured-output"]
     one, two = _pair(tiny_chat_dir, closing, plugins=plugins)
@@ -179,12 +214,6 @@ def test_combinations_that_do_not_run_with_ranks_are_refused(tiny_dirs: dict[str
     model = str(tiny_dirs["llama"])
     with pytest.raises(ConfigError, match=r"parallel\.executor 'process' runs at most 1"):
         LLM(model=model, tensor_parallel_size=2, executor="process")
-    with pytest.raises(ConfigError, match=r"speculative\.method: 'eagle'"):
-        LLM(
-            model=model,
-            tensor_parallel_size=2,
-            speculative_config={"method": "eagle", "model": model, "num_speculative_tokens": 2},
-        )
     with pytest.raises(ConfigError, match=r"tensor_parallel_size.*ScriptedModelLoader"):
         LLM(model="scripted", tensor_parallel_size=2)
 

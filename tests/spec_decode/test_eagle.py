@@ -30,6 +30,7 @@ from tandem.spec_decode.eagle_head import (
     load_eagle_head,
     save_random_eagle_head,
 )
+from tandem.testing.memorized_eagle_head import train_memorized_head
 from tandem.testing.tiny_model import save_tiny_model
 
 K = 3
@@ -54,51 +55,14 @@ MEMORIZED_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def memorized_head(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A head trained (60 AdamW steps, ~2 s) on the target's own greedy continuations of
-    MEMORIZED_PROMPTS: soft cross-entropy to the target's next-token distribution through
-    the shared LM head plus feature regression, with a second pass on its own features."""
-    import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM
-
-    from tandem.spec_decode.eagle_head import EagleHead, EagleHeadConfig, save_eagle_head
-
-    target = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
-    prompts = torch.tensor(MEMORIZED_PROMPTS)
-    with torch.inference_mode():
-        sequences = target.generate(
-            prompts,
-            attention_mask=torch.ones_like(prompts),
-            max_new_tokens=MEMORIZED_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        hidden = target.model(input_ids=sequences).last_hidden_state
-    sequences, hidden = sequences.clone(), hidden.clone()  # out of inference mode, for autograd
-    weight = target.lm_head.weight.detach()
-    with torch.no_grad():
-        embeds = target.model.embed_tokens(sequences[:, 1:])
-        positions = torch.arange(embeds.shape[1])[None].expand(embeds.shape[0], -1)
-        cos, sin = target.model.rotary_emb(embeds, positions)
-        cos, sin = cos[:, :, None], sin[:, :, None]
-        teacher = (hidden[:, 1:] @ weight.T).softmax(-1)
-    state = torch.random.get_rng_state()
-    torch.manual_seed(0)
-    head = EagleHead(EagleHeadConfig.for_target(target.config))
-    torch.random.set_rng_state(state)
-    optim = torch.optim.AdamW(head.parameters(), lr=1e-2)
-    for _ in range(60):
-        inputs, loss = hidden[:, :-1], torch.zeros(())
-        for _unroll in range(2):
-            features = head(embeds, inputs, cos, sin, causal_attend)
-            student = (features @ weight.T).log_softmax(-1)
-            loss = loss - (teacher * student).sum(-1).mean()
-            loss = loss + F.smooth_l1_loss(features, hidden[:, 1:])
-            inputs = torch.cat((hidden[:, :1], features[:, :-1]), dim=1)
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-    return save_eagle_head(head, tmp_path_factory.mktemp("eagle-memorized") / "head")
+    """A head trained (~2 s) on the target's own greedy continuations of MEMORIZED_PROMPTS
+    (`tandem.testing.memorized_eagle_head`)."""
+    return train_memorized_head(
+        tiny_llama,
+        MEMORIZED_PROMPTS,
+        MEMORIZED_TOKENS,
+        tmp_path_factory.mktemp("eagle-memorized") / "head",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -345,3 +309,39 @@ def test_smollm2_random_head_keeps_greedy_outputs_sync_and_async(
         assert_idle_and_no_leak(llm)
         llm.engine.shutdown()
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+class DeltaRecord:
+    """Engine-side observer of each step's draft verdicts, as `update_from_output` gets
+    them: (scheduled drafts, sampled tokens, the worker's explicit rejected count)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, int | None]] = []
+
+    @hookimpl(wrapper=True)
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        out = model_runner_output
+        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            index = out.req_id_to_index.get(rid)
+            if drafts and index is not None and out.sampled_token_ids[index]:
+                rejected = out.num_rejected_drafts.get(rid)
+                self.seen.append((len(drafts), len(out.sampled_token_ids[index]), rejected))
+        return (yield)
+
+
+@pytest.mark.parametrize("async_scheduling", ASYNC)
+def test_the_worker_reports_rejected_drafts_as_explicit_deltas(
+    tiny_llama: Path, memorized_head: Path, async_scheduling: bool
+) -> None:
+    """Every request that verified drafts comes back with its rejected count, which is
+    the drafts minus the accepted ones (tokens - 1); both verdicts occur."""
+    llm, _ = make_llm(tiny_llama, async_scheduling, speculative_config=eagle(memorized_head))
+    record = DeltaRecord()
+    llm.engine.plugin_manager.register(record, name="test-delta-record")
+    greedy(llm, MEMORIZED_PROMPTS[:4] + token_prompts(9, [7, 12]), [20] * 6)
+    assert record.seen
+    for drafts, tokens, rejected in record.seen:
+        assert rejected == drafts - (tokens - 1), (drafts, tokens, rejected)
+    assert any(r == 0 for *_, r in record.seen) and any(r for *_, r in record.seen)
+    assert_idle_and_no_leak(llm)
+    llm.engine.shutdown()

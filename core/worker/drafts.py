@@ -1,14 +1,18 @@
-"""The worker's drafts: the one owner of the drafter's proposals, and the drafter glue.
+"""The worker's side of drafting: the drafter glue, and the copy of the last proposal that
+async scheduling's placeholders stand for.
 
-After each sampled step the `propose_drafts` hook proposes the next drafts of every
-sampling request; the store keeps the latest proposal per request and returns it in
-`ModelRunnerOutput.draft_token_ids` (both scheduling modes). The scheduler records it on
-the request (`Request.draft_token_ids`). What the next step verifies is
-`drafts_to_verify(scheduled, proposal)`: the scheduled drafts themselves under synchronous
-scheduling, and under async scheduling (`-1` placeholders scheduled) this proposal cut or
-padded to the scheduled count — the same helper the grammar backends use, so their draft
-rows are the drafts verified here. A request that finishes or is preempted loses its
-proposal, and the drafter is told (`DraftContext.finished_req_ids`).
+The scheduler owns the drafts. After each sampled step the `propose_drafts` hook proposes
+the next drafts of every sampling request; they go to the scheduler in
+`ModelRunnerOutput.draft_token_ids`, which records them (`Request.draft_token_ids`) and
+schedules them, and the verdicts come back as explicit deltas
+(`ModelRunnerOutput.num_rejected_drafts`). The worker verifies the scheduled ids. Only
+where the scheduler cannot know them yet (async scheduling: the step that proposed them
+is still in flight, so it schedules `-1` placeholders, as the specification's async
+scheduler does) the worker verifies its kept copy of that proposal, cut or padded to the
+scheduled count by `drafts_to_verify` — the helper the grammar backends use too, so their
+draft rows are the drafts verified here. On a pipeline stage before the last the copy
+arrives from the last stage (`pipeline.AwaitedStep`). A request that finishes or is
+preempted loses its copy, and the drafter is told (`DraftContext.finished_req_ids`).
 
 A drafter that raises is asked again for each request alone: the requests that fail alone
 are reported as failed (the kernel ends each with `finish_reason == "error"`), the others
@@ -55,9 +59,13 @@ class DraftStore:
             self._left.append(req_id)
 
     def to_verify(self, so: SchedulerOutput) -> dict[str, list[int]]:
-        """The drafts each request of the step verifies (only requests with drafts)."""
+        """The drafts each request of the step verifies (only requests with drafts): the
+        scheduler's own ids, or in place of `-1` placeholders (async scheduling: the
+        scheduler has not received the proposal yet) the kept proposal."""
         return {
-            req_id: drafts_to_verify(scheduled, self.proposals.get(req_id, ()))
+            req_id: list(scheduled)
+            if scheduled[0] >= 0
+            else drafts_to_verify(scheduled, self.proposals.get(req_id, ()))
             for req_id, scheduled in so.scheduled_spec_decode_tokens.items()
             if scheduled
         }

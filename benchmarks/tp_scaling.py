@@ -58,10 +58,20 @@ def _prompts(n: int, seed: int, low: int, high: int, vocab: int) -> list[list[in
     return [[rng.randint(100, vocab - 1) for _ in range(rng.randint(low, high))] for _ in range(n)]
 
 
-def child(model: str, tp: int, pp: int, threads: int, batch: int, decode_tokens: int) -> dict:
+def child(
+    model: str,
+    tp: int,
+    pp: int,
+    threads: int,
+    batch: int,
+    decode_tokens: int,
+    partition: list[int] | None = None,
+) -> dict:
     from tandem import LLM, SamplingParams
 
-    kw = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp} if tp * pp > 1 else {}
+    kw: dict = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp} if tp * pp > 1 else {}
+    if partition:
+        kw["pp_layer_partition"] = partition
     llm = LLM(model=model, worker_num_threads=threads, max_model_len=1024, **kw)
     vocab = llm.config.model.vocab_size
     one = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
@@ -102,9 +112,18 @@ def child(model: str, tp: int, pp: int, threads: int, batch: int, decode_tokens:
     return result
 
 
-def _run_child(model: str, tp: int, pp: int, threads: int, args: argparse.Namespace) -> dict:
+def _run_child(
+    model: str,
+    tp: int,
+    pp: int,
+    threads: int,
+    args: argparse.Namespace,
+    partition: list[int] | None = None,
+) -> dict:
     cmd = [sys.executable, __file__, "--child", model, "--tp", str(tp), "--pp", str(pp)]
     cmd += ["--threads", str(threads)]
+    if partition:
+        cmd += ["--partition", ",".join(map(str, partition))]
     cmd += ["--batch", str(args.batch), "--decode-tokens", str(args.decode_tokens)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
@@ -132,25 +151,35 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument(
+        "--partition",
+        default="",
+        help="also run pp=N x 1 thread with this pp_layer_partition (e.g. 5,3)",
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tp_scaling"))
     args = parser.parse_args()
+    partition = [int(x) for x in args.partition.split(",")] if args.partition else None
     if args.child:
-        r = child(args.child, args.tp, args.pp, args.threads, args.batch, args.decode_tokens)
+        r = child(
+            args.child, args.tp, args.pp, args.threads, args.batch, args.decode_tokens, partition
+        )
         print(json.dumps(r))
         return
     model = args.model
     if model == "tiny-1024":
         model = str(_tiny_1024(Path(tempfile.gettempdir()) / "tandem-tp-tiny-1024"))
     n = args.tp
-    configs = {
-        f"tp=1 x {n} threads": (1, 1, n),
-        f"tp={n} x 1 thread": (n, 1, 1),
-        f"pp={n} x 1 thread": (1, n, 1),
+    configs: dict[str, tuple[int, int, int, list[int] | None]] = {
+        f"tp=1 x {n} threads": (1, 1, n, None),
+        f"tp={n} x 1 thread": (n, 1, 1, None),
+        f"pp={n} x 1 thread": (1, n, 1, None),
     }
+    if partition:
+        configs[f"pp={n} {partition} x 1 thread"] = (1, n, 1, partition)
     runs: dict[str, list[dict]] = {name: [] for name in configs}
     for _ in range(args.repeats):
-        for name, (tp, pp, threads) in configs.items():
-            runs[name].append(_run_child(model, tp, pp, threads, args))
+        for name, (tp, pp, threads, part) in configs.items():
+            runs[name].append(_run_child(model, tp, pp, threads, args, part))
             r = runs[name][-1]
             print(
                 f"{name}: stream {r['stream']['ms_per_output_token']:.1f} ms/token, "
@@ -162,7 +191,7 @@ def main() -> None:
     def med(name: str, kind: str, key: str) -> float:
         return statistics.median(r[kind][key] for r in runs[name])
 
-    one, many, staged = configs
+    one, many, staged, *balanced = configs
     summary = {
         name: {
             "stream_ms_per_token": med(name, "stream", "ms_per_output_token"),
@@ -192,7 +221,7 @@ def main() -> None:
                 "batch_tokens_per_s": summary[name]["batch_tokens_per_s"]
                 / summary[one]["batch_tokens_per_s"],
             }
-            for name in (many, staged)
+            for name in (many, staged, *balanced)
         },
     }
     spans = runs[staged][-1].get("spans")

@@ -15,6 +15,8 @@ layer (projections, their biases, the norms) is released (a meta tensor, see
 one where oneDNN cannot pack). The HF layers cannot run afterwards; the embedding, the
 rotary module and the final norm stay the HF model's own modules (read through them;
 `HFStepModel` then moves them off the checkpoint's file mapping, `own_remaining_parameters`).
+A rank of several reads its layers' shards from the files instead (`checkpoint_shards`):
+the same layers, built by the same code from another `WeightSource`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from tandem.core.worker.parallel_state import RankInfo, tp_all_reduce
 from tandem.core.worker.pipeline import PipelineLink
+from tandem.models.checkpoint_shards import CheckpointShards, ModuleWeights, WeightSource
 from tandem.models.decoder_elementwise import (
     Elementwise,
     RotaryTable,
@@ -39,8 +42,6 @@ from tandem.models.tensor_parallel import (
     VocabParallelEmbedding,
     kv_heads_per_rank,
     kv_split,
-    shard_cols,
-    shard_rows,
 )
 from tandem.models.weight_release import release_parameters
 
@@ -83,9 +84,12 @@ class _Float32Embedding:
 
 def float32_compute(causal_lm: torch.nn.Module) -> bool:
     """bfloat16 weights on the CPU: stored in bfloat16, computed in float32 (the linears
-    from `linear_choice.cpu_bf16_linear`, float32 activations, norms and logits)."""
+    from `linear_choice.cpu_bf16_linear`, float32 activations, norms and logits). The device
+    is the embedding's, or where it holds no memory (a rank reading its share of the
+    checkpoint, `checkpoint_shards`) that of the model's buffers (the rotary module's)."""
     weight = causal_lm.get_input_embeddings().weight
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+    real = [t.device for t in (weight, *causal_lm.buffers()) if not t.is_meta]
+    return weight.dtype == torch.bfloat16 and bool(real) and real[0].type == "cpu"
 
 
 def _own_plain(linear: PackedLinear) -> PackedLinear:
@@ -94,18 +98,6 @@ def _own_plain(linear: PackedLinear) -> PackedLinear:
     if linear.weight is not None:
         linear.weight = linear.weight.clone()
     return linear
-
-
-def _owned_bias(linear: torch.nn.Module) -> torch.Tensor | None:
-    """The bias of an HF linear (Llama's `attention_bias` / `mlp_bias`), in owned memory."""
-    return linear.bias.detach().clone() if linear.bias is not None else None
-
-
-def _cat_bias(*linears: torch.nn.Module) -> torch.Tensor | None:
-    """The biases of linears fused into one, concatenated (None when they have none)."""
-    if linears[0].bias is None:
-        return None
-    return torch.cat([linear.bias.detach() for linear in linears])
 
 
 def fused_linear(weight: torch.Tensor, bias: torch.Tensor | None, bf16_cpu: bool) -> Linear:
@@ -127,93 +119,87 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, fresh: bool, bf16_c
     return linear if fresh else _own_plain(linear)
 
 
+#: A linear's name in the layer and which of how many row blocks this rank keeps.
+_Part = tuple[str, tuple[int, int]]
+
+
+def _column_linear(weights: WeightSource, parts: list[_Part], bf16_cpu: bool) -> Linear:
+    """Column-parallel linears fused into one: this rank's rows of each weight, concatenated,
+    and of each bias (zeros for a linear without one; None when none has a bias)."""
+    weight_parts = [weights.rows(f"{name}.weight", *block) for name, block in parts]
+    bias = None
+    if any(weights.has(f"{name}.bias") for name, _ in parts):
+        bias = torch.cat(
+            [
+                weights.rows(f"{name}.bias", *block)
+                if weights.has(f"{name}.bias")
+                else weight.new_zeros(weight.shape[0])
+                for (name, block), weight in zip(parts, weight_parts, strict=True)
+            ]
+        )
+    return _linear(torch.cat(weight_parts), bias, True, bf16_cpu)
+
+
+def _row_linear(weights: WeightSource, name: str, rank: int, size: int, bf16_cpu: bool) -> Linear:
+    """Row-parallel: this rank's columns of the weight; the bias (a copy: Llama's
+    `attention_bias` / `mlp_bias`) on rank 0 only, as the ranks' partial sums are summed."""
+    bias = None
+    if rank == 0 and weights.has(f"{name}.bias"):
+        bias = _owned(weights.rows(f"{name}.bias"))
+    fresh = size > 1 or not weights.views
+    return _linear(weights.cols(f"{name}.weight", rank, size), bias, fresh, bf16_cpu)
+
+
+def _norm(weights: WeightSource, name: str, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """An owned copy of a norm's weight (None where the layer has none: Qwen3's q/k norms)."""
+    return _owned(weights.rows(name), dtype) if weights.has(name) else None
+
+
 def _take_layer(
     layer_idx: int,
-    layer: torch.nn.Module,
+    weights: WeightSource,
     bf16_cpu: bool = False,
     tp: RankInfo | None = None,
     hf_config: Any = None,
 ) -> _Layer:
-    """The fused layer; the HF layer's own parameters are released (see the module doc).
+    """The fused layer built from `weights`: the HF layer's own (`ModuleWeights`; the caller
+    then releases them, see the module doc) or the checkpoint's (`CheckpointLayer`).
     `bf16_cpu`: bfloat16 weights computed in float32 (`float32_compute`). With `tp` of more
-    than one rank, this rank's shard (`tensor_parallel`)."""
-    attn, mlp = layer.self_attn, layer.mlp
+    than one rank, this rank's shard (`tensor_parallel`): Q, K, V, gate and up by rows (K
+    and V by `kv_split`), O and down by columns."""
+    r, n = (tp.tp_rank, tp.tp_size) if tp is not None else (0, 1)
+    kv = kv_split(hf_config, r, n) if n > 1 else (0, 1)
+    qkv: list[_Part] = [("self_attn.q_proj", (r, n))]
+    qkv += [("self_attn.k_proj", kv), ("self_attn.v_proj", kv)]
+    gate_up: list[_Part] = [("mlp.gate_proj", (r, n)), ("mlp.up_proj", (r, n))]
     norm_dtype = torch.float32 if bf16_cpu else None
     with torch.no_grad():
-        if tp is None or tp.tp_size == 1:
-            qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-            qkv_b = _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)
-            o = _linear(attn.o_proj.weight, _owned_bias(attn.o_proj), False, bf16_cpu)
-            gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-            gate_up_b = _cat_bias(mlp.gate_proj, mlp.up_proj)
-            down = _linear(mlp.down_proj.weight, _owned_bias(mlp.down_proj), False, bf16_cpu)
-        else:
-            r, n = tp.tp_rank, tp.tp_size
-            kv_part, kv_parts = kv_split(hf_config, r, n)
-            qkv_w = torch.cat(
-                [
-                    shard_rows(attn.q_proj.weight, r, n),
-                    shard_rows(attn.k_proj.weight, kv_part, kv_parts),
-                    shard_rows(attn.v_proj.weight, kv_part, kv_parts),
-                ]
-            )
-            qkv_b = (
-                torch.cat(
-                    [
-                        *_sharded_bias(r, n, attn.q_proj),
-                        *_sharded_bias(kv_part, kv_parts, attn.k_proj, attn.v_proj),
-                    ]
-                )
-                if any(m.bias is not None for m in (attn.q_proj, attn.k_proj, attn.v_proj))
-                else None
-            )
-            gate_up_w = torch.cat(
-                [shard_rows(m.weight, r, n) for m in (mlp.gate_proj, mlp.up_proj)]
-            )
-            gate_up_b = _cat_sharded_bias(r, n, mlp.gate_proj, mlp.up_proj)
-            # Row-parallel: each rank's partial sum; the bias is added once (rank 0).
-            o = _linear(
-                shard_cols(attn.o_proj.weight, r, n),
-                _owned_bias(attn.o_proj) if r == 0 else None,
-                True,
-                bf16_cpu,
-            )
-            down = _linear(
-                shard_cols(mlp.down_proj.weight, r, n),
-                _owned_bias(mlp.down_proj) if r == 0 else None,
-                True,
-                bf16_cpu,
-            )
-        fused = _Layer(
+        return _Layer(
             layer_idx=layer_idx,
-            qkv=_linear(qkv_w, qkv_b, True, bf16_cpu),
-            o=o,
-            gate_up=_linear(gate_up_w, gate_up_b, True, bf16_cpu),
-            down=down,
-            ln_in=_owned(layer.input_layernorm.weight, norm_dtype),
-            ln_post=_owned(layer.post_attention_layernorm.weight, norm_dtype),
-            q_norm=_owned(attn.q_norm.weight, norm_dtype) if hasattr(attn, "q_norm") else None,
-            k_norm=_owned(attn.k_norm.weight, norm_dtype) if hasattr(attn, "k_norm") else None,
+            qkv=_column_linear(weights, qkv, bf16_cpu),
+            o=_row_linear(weights, "self_attn.o_proj", r, n, bf16_cpu),
+            gate_up=_column_linear(weights, gate_up, bf16_cpu),
+            down=_row_linear(weights, "mlp.down_proj", r, n, bf16_cpu),
+            ln_in=_owned(weights.rows("input_layernorm.weight"), norm_dtype),
+            ln_post=_owned(weights.rows("post_attention_layernorm.weight"), norm_dtype),
+            q_norm=_norm(weights, "self_attn.q_norm.weight", norm_dtype),
+            k_norm=_norm(weights, "self_attn.k_norm.weight", norm_dtype),
         )
-    release_parameters(layer.modules())
-    return fused
 
 
-def _sharded_bias(rank: int, size: int, *linears: torch.nn.Module) -> list[torch.Tensor]:
-    """This rank's rows of each column-parallel linear's bias (zeros for one without)."""
-    return [
-        shard_rows(m.bias, rank, size)
-        if m.bias is not None
-        else m.weight.new_zeros(m.weight.shape[0] // size)
-        for m in linears
-    ]
-
-
-def _cat_sharded_bias(rank: int, size: int, *linears: torch.nn.Module) -> torch.Tensor | None:
-    """This rank's rows of the column-parallel linears' biases, concatenated (or None)."""
-    if all(m.bias is None for m in linears):
-        return None
-    return torch.cat(_sharded_bias(rank, size, *linears))
+def _vocab_embedding(
+    weight: torch.Tensor,
+    tp: RankInfo,
+    dtype: torch.dtype,
+    checkpoint: CheckpointShards | None,
+    name: str,
+) -> VocabParallelEmbedding:
+    """This rank's rows of the embedding: cut from the HF table `weight`, or read as they
+    are from the checkpoint's tensor `name` (a one-rank table placed at this rank's start)."""
+    if checkpoint is None:
+        return VocabParallelEmbedding(weight, tp.tp_rank, tp.tp_size, dtype)
+    rows = checkpoint.vocab_rows(name, tp.tp_rank, tp.tp_size)
+    return VocabParallelEmbedding.from_rows(rows, tp.tp_rank, dtype)
 
 
 class FusedDecoder:
@@ -225,14 +211,19 @@ class FusedDecoder:
         tp: RankInfo | None = None,
         stage: range | None = None,
         link: PipelineLink | None = None,
+        checkpoint: CheckpointShards | None = None,
     ) -> None:
         """`tp`: this rank's place when the layers are split (`tensor_parallel`); its
         heads are `num_attention_heads / tp_size` and `num_key_value_heads / tp_size`.
         `stage`: the layers this pipeline stage runs (all by default), with `link` to the
         neighbouring stages (`pipeline`): a stage after the first receives the residual
         stream instead of embedding, a stage before the last sends it on and returns None.
-        Layers outside the stage are released, and local layer i attends with KV pool i."""
+        Layers outside the stage are released, and local layer i attends with KV pool i.
+        `checkpoint`: the layers and the embedding's vocabulary rows are read from the files
+        (`checkpoint_shards`), not taken from the HF modules (then a skeleton: meta
+        parameters but for the modules the rank keeps, see `hf_model`)."""
         model = causal_lm.model
+        names = {module: name for name, module in causal_lm.named_modules()}
         cfg = causal_lm.config
         tp_size = tp.tp_size if tp is not None else 1
         #: Sum the row-parallel outputs over the ranks (identity on one rank).
@@ -243,11 +234,12 @@ class FusedDecoder:
         if tp_size > 1 and link is not None and not link.is_first:
             self.embed = None  # a later stage receives the residual stream instead
         elif tp_size > 1:  # this rank's vocabulary rows; the caller releases the HF table
-            self.embed = VocabParallelEmbedding(
+            self.embed = _vocab_embedding(
                 model.embed_tokens.weight,
-                tp.tp_rank,
-                tp_size,
+                tp,
                 torch.float32 if self.bf16_cpu else model.embed_tokens.weight.dtype,
+                checkpoint,
+                f"{names[model.embed_tokens]}.weight",
             )
         elif self.bf16_cpu:
             self.embed = _Float32Embedding(model.embed_tokens)
@@ -264,19 +256,26 @@ class FusedDecoder:
         self.scaling = self.head_dim**-0.5
         stage = stage if stage is not None else range(len(model.layers))
         self.link = link
-        self.layers = [
-            _take_layer(i, model.layers[j], self.bf16_cpu, tp, cfg) for i, j in enumerate(stage)
-        ]
+        self.layers = []
+        for i, j in enumerate(stage):
+            hf_layer = model.layers[j]
+            weights: WeightSource = (
+                checkpoint.layer(f"{names[hf_layer]}.")
+                if checkpoint is not None
+                else ModuleWeights(hf_layer)
+            )
+            self.layers.append(_take_layer(i, weights, self.bf16_cpu, tp, cfg))
+            release_parameters(hf_layer.modules())
         release_parameters(
             m for j, layer in enumerate(model.layers) if j not in stage for m in layer.modules()
         )
         #: The residual stream's dtype (what crosses between stages) and width.
         self.hidden_dtype = torch.float32 if self.bf16_cpu else model.embed_tokens.weight.dtype
         self.hidden_size = cfg.hidden_size
-        #: A stage before the last ends without the final norm (its output is not used).
-        self._stage_end_norm = torch.ones(
-            cfg.hidden_size, dtype=self.norm_weight.dtype, device=self.norm_weight.device
-        )
+        #: A stage before the last ends without the final norm (its output is not used;
+        #: such a stage may not hold the final norm: shaped as a layer's norm instead).
+        like = self.layers[0].ln_in if self.layers else self.norm_weight
+        self._stage_end_norm = torch.ones(cfg.hidden_size, dtype=like.dtype, device=like.device)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self._elementwise_key: tuple[torch.device, torch.dtype] | None = None

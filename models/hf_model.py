@@ -3,10 +3,15 @@
 The model's own attention modules compute projections and RoPE; the registered
 `tandem_paged` function writes K/V into the paged pools and attends. Logits are computed
 only at the positions that sample (`FlatBatch.logits_indices`).
+
+A rank of several (tensor- or pipeline-parallel) over safetensors weights reads only its
+share of the checkpoint (`checkpoint_shards`): the HF model is then a skeleton built without
+weights, whose modules get real parameters only where the rank keeps them as they are.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -16,6 +21,7 @@ from tandem.core.worker.draft_context import DraftTarget
 from tandem.core.worker.flat_batch import FlatBatch
 from tandem.core.worker.parallel_state import RankInfo, tp_all_gather
 from tandem.core.worker.pipeline import PipelineLink, stage_layers
+from tandem.models.checkpoint_shards import CheckpointShards, checkpoint_bytes, safetensors_files
 from tandem.models.cpu_kernels import KERNEL_POOL_DTYPES, PagedDecodeKernel
 from tandem.models.fused_decoder import FusedDecoder, float32_compute, fused_linear
 from tandem.models.linear_choice import Linear, cpu_bf16_linear, cpu_f32_linear
@@ -28,6 +34,8 @@ from tandem.models.packed_linear import PackedLinear
 from tandem.models.paged_attention import ATTENTION_NAME, build_metadata
 from tandem.models.tensor_parallel import check_divisible, kv_heads_per_rank, vocab_shard
 from tandem.models.weight_release import own_remaining_parameters, release_parameters
+
+logger = logging.getLogger("tandem.model")
 
 
 def _plain_lm_head(causal_lm: torch.nn.Module) -> PackedLinear:
@@ -80,22 +88,109 @@ def _take_lm_head(causal_lm: torch.nn.Module) -> PackedLinear | Linear:
     return packed if packed.packed is not None else _plain_lm_head(causal_lm)
 
 
-def _take_lm_head_shard(causal_lm: torch.nn.Module, rank: RankInfo) -> Linear:
-    """This rank's vocabulary rows of the LM head (`tensor_parallel.vocab_shard`), as the
-    decoder's own linears are built; the HF head and embedding are released (the fused
-    decoder holds its own rows of the embedding: `VocabParallelEmbedding`)."""
-    head = causal_lm.lm_head
+def _lm_head_rows(
+    causal_lm: torch.nn.Module, rank: RankInfo, checkpoint: CheckpointShards | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's vocabulary rows of the LM head's weight and bias: cut from the HF head
+    (`tensor_parallel.vocab_shard`), or read from the checkpoint (the embedding's tensor
+    for a head tied to it: such a checkpoint has no `lm_head.weight`)."""
+    head, r, n = causal_lm.lm_head, rank.tp_rank, rank.tp_size
+    if checkpoint is not None:
+        names = {id(p): name for name, p in causal_lm.named_parameters()}  # tied: embedding's
+        weight = checkpoint.vocab_rows(names[id(head.weight)], r, n)
+        bias = checkpoint.vocab_rows(names[id(head.bias)], r, n) if head.bias is not None else None
+        return weight, bias
     with torch.no_grad():
-        weight = vocab_shard(head.weight, rank.tp_rank, rank.tp_size)
-        bias = (
-            vocab_shard(head.bias[:, None], rank.tp_rank, rank.tp_size)[:, 0]
-            if head.bias is not None
-            else None
-        )
+        weight = vocab_shard(head.weight, r, n)
+        bias = vocab_shard(head.bias[:, None], r, n)[:, 0] if head.bias is not None else None
+    return weight, bias
+
+
+def _take_lm_head_shard(
+    causal_lm: torch.nn.Module, rank: RankInfo, checkpoint: CheckpointShards | None = None
+) -> Linear:
+    """This rank's vocabulary rows of the LM head (`_lm_head_rows`), as the decoder's own
+    linears are built; the HF head and embedding are released (the fused decoder holds its
+    own rows of the embedding: `VocabParallelEmbedding`)."""
+    head = causal_lm.lm_head
+    weight, bias = _lm_head_rows(causal_lm, rank, checkpoint)
     linear = fused_linear(weight, bias, float32_compute(causal_lm))
     release_parameters([head, causal_lm.get_input_embeddings()])  # the decoder has its rows
     own_remaining_parameters(causal_lm)
     return linear
+
+
+def _skeleton(model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The HF model built from its config without weights: every parameter a meta tensor
+    (tied as transformers ties them), the buffers (the rotary module's) real, on `device`."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from tandem.models.model_files import load_hf_config
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(
+            load_hf_config(model_dir), dtype=dtype, attn_implementation=ATTENTION_NAME
+        )
+    model.tie_weights()
+    for module in model.modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buf.to(device))
+    return model.eval()
+
+
+def _read_kept_modules(
+    causal_lm: torch.nn.Module, checkpoint: CheckpointShards, rank: RankInfo
+) -> None:
+    """Real parameters, read whole, for the skeleton's modules this rank keeps as they are:
+    the final norm on the last stage; with one tensor-parallel rank, the embedding on the
+    first stage and the LM head on the last (the embedding itself when tied). With more,
+    the fused decoder and the LM head read their own vocabulary rows; the layers are read
+    by the fused decoder."""
+    first, last = rank.pp_rank == 0, rank.pp_rank == rank.pp_size - 1
+    embedding, head = causal_lm.get_input_embeddings(), causal_lm.lm_head
+    tied = head.weight is embedding.weight
+    keep = [causal_lm.model.norm] if last else []
+    if rank.tp_size == 1 and (first or (last and tied)):
+        keep.append(embedding)
+    if rank.tp_size == 1 and last and not tied:
+        keep.append(head)
+    names = {module: name for name, module in causal_lm.named_modules()}
+    for module in keep:
+        for attr, _ in list(module.named_parameters(recurse=False)):
+            tensor = checkpoint.rows(f"{names[module]}.{attr}")
+            setattr(module, attr, torch.nn.Parameter(tensor, requires_grad=False))
+    if tied:
+        head.weight = embedding.weight
+
+
+def _load_causal_lm(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, rank: RankInfo
+) -> tuple[torch.nn.Module, CheckpointShards | None]:
+    """The HF model on `device` and, where this rank reads only its share, the reader the
+    fused decoder and the LM head read the rest of it from. A rank of several over
+    safetensors weights that name every parameter gets a skeleton (`_skeleton`) with the
+    modules it keeps as they are read (`_read_kept_modules`); else the whole model loads."""
+    from transformers import AutoModelForCausalLM
+
+    if (rank.tp_size > 1 or rank.pp_size > 1) and safetensors_files(model_dir):
+        checkpoint = CheckpointShards(model_dir, dtype, device)
+        skeleton = _skeleton(model_dir, dtype, device)
+        missing = [n for n, _ in skeleton.named_parameters() if not checkpoint.has(n)]
+        if not missing:
+            _read_kept_modules(skeleton, checkpoint, rank)
+            return skeleton, checkpoint
+        logger.warning(
+            "%s: the checkpoint does not name %s (of %d parameters): every rank loads the "
+            "whole model and keeps its share",
+            model_dir,
+            missing[0],
+            len(missing),
+        )
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype, attn_implementation=ATTENTION_NAME
+    )
+    return loaded.to(device).eval(), None
 
 
 class HFStepModel:
@@ -122,22 +217,17 @@ class HFStepModel:
         """`decode_kernel` (CPU, float32 or bfloat16) attends decodes in place; the key pools
         are then laid out for it, transposed per block. bfloat16 on CPU keeps weights and
         the KV pools in bfloat16 and computes in float32 (`fused_decoder.float32_compute`)."""
-        from transformers import AutoModelForCausalLM
-
         from tandem.models.model_files import quiet_loading
 
         self.device = device
         self.block_size = block_size
-        with quiet_loading():
-            loaded = AutoModelForCausalLM.from_pretrained(
-                str(model_dir), dtype=dtype, attn_implementation=ATTENTION_NAME
-            )
-        self.model = loaded.to(device).eval()
-        cfg = self.model.config
-        self.vocab_size = cfg.vocab_size
         #: This rank's place; with more than one tensor-parallel rank every layer, the KV
         #: pool and the LM head hold this rank's shard (`tensor_parallel`).
         self.rank = parallel_state.current()
+        with quiet_loading():
+            self.model, checkpoint = _load_causal_lm(model_dir, dtype, device, self.rank)
+        cfg = self.model.config
+        self.vocab_size = cfg.vocab_size
         tp_size = self.rank.tp_size
         if tp_size > 1 and not fused:
             raise ValueError("tensor parallelism needs the fused decoder (fused=True)")
@@ -149,22 +239,17 @@ class HFStepModel:
         )
         if self.link is not None and not fused:
             raise ValueError("pipeline parallelism needs the fused decoder (fused=True)")
-        self.fused = FusedDecoder(self.model, self.rank, stage, self.link) if fused else None
+        self.fused = (
+            FusedDecoder(self.model, self.rank, stage, self.link, checkpoint) if fused else None
+        )
         #: Whether this rank computes logits (the last pipeline stage; every rank without).
         self.has_logits = self.link is None or self.link.is_last
-        self.lm_head: PackedLinear | Linear | None
-        if not self.has_logits:
-            self.lm_head = None
-            embedding = self.model.get_input_embeddings()
-            if tp_size > 1:  # the fused decoder holds its own rows of the embedding
-                release_parameters([self.model.lm_head, embedding])
-            elif self.model.lm_head.weight is not embedding.weight:
-                release_parameters([self.model.lm_head])
-            own_remaining_parameters(self.model)
-        elif tp_size > 1:
-            self.lm_head = _take_lm_head_shard(self.model, self.rank)
-        else:
-            self.lm_head = _take_lm_head(self.model) if fused else _plain_lm_head(self.model)
+        self.lm_head = self._take_head(fused, checkpoint)
+        #: Bytes of checkpoint tensors this rank read (the files' dtype): its share, or the
+        #: whole checkpoint where it loaded the whole model (`Worker.describe` shows it).
+        self.bytes_read = (
+            checkpoint.close() if checkpoint is not None else checkpoint_bytes(model_dir)
+        )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         if decode_kernel is not None and (dtype not in KERNEL_POOL_DTYPES or device.type != "cpu"):
             raise ValueError("the CPU decode kernel needs float32 or bfloat16 on the CPU")
@@ -188,6 +273,25 @@ class HFStepModel:
             )
             for _ in stage
         ]
+
+    def _take_head(
+        self, fused: bool, checkpoint: CheckpointShards | None
+    ) -> PackedLinear | Linear | None:
+        """The LM head this rank computes logits with, after the fused decoder took the
+        layers: None on a stage before the last (its HF head is released, and the embedding
+        too under tensor parallelism: the fused decoder holds its own rows)."""
+        model, tp_size = self.model, self.rank.tp_size
+        if not self.has_logits:
+            embedding = model.get_input_embeddings()
+            if tp_size > 1:
+                release_parameters([model.lm_head, embedding])
+            elif model.lm_head.weight is not embedding.weight:
+                release_parameters([model.lm_head])
+            own_remaining_parameters(model)
+            return None
+        if tp_size > 1:
+            return _take_lm_head_shard(model, self.rank, checkpoint)
+        return _take_lm_head(model) if fused else _plain_lm_head(model)
 
     @torch.inference_mode()
     def forward(self, batch: FlatBatch) -> torch.Tensor | None:

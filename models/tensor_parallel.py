@@ -103,6 +103,14 @@ class VocabParallelEmbedding:
         self.start = rank * self.shard.shape[0]
         self.dtype = dtype
 
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor, rank: int, dtype: torch.dtype) -> VocabParallelEmbedding:
+        """Over this rank's `ceil(V / tp)` rows as already read (`vocab_shard`'s layout:
+        zero-padded past V), kept as they are (no copy)."""
+        embedding = cls.__new__(cls)
+        embedding.shard, embedding.start, embedding.dtype = rows, rank * rows.shape[0], dtype
+        return embedding
+
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.shard.shape[0])

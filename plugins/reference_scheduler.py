@@ -328,8 +328,7 @@ class ReferenceScheduler(TandemPlugin):
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        # The drafter's proposals, recorded on each request; synchronous scheduling also
-        # schedules them, async scheduling keeps its `-1` placeholders for them.
+        # Proposals: recorded; scheduled as they are (sync) or as placeholders (async).
         drafts = model_runner_output.draft_token_ids
         schedule_drafts = not self.config.scheduler.async_scheduling
         for request_id in scheduler_output.preempted_req_ids:
@@ -352,12 +351,9 @@ class ReferenceScheduler(TandemPlugin):
             )
             scheduled_spec = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
             if scheduled_spec and generated:
-                num_draft = len(scheduled_spec)
-                # The worker's explicit delta; a runner without it: inferred from the tokens.
-                num_rejected = model_runner_output.num_rejected_drafts.get(
-                    request_id,
-                    num_draft - max(len(generated) - self.num_sampled_tokens_per_step, 0),
-                )
+                num_draft = len(scheduled_spec)  # rejected: the worker's delta (else inferred)
+                fallback = num_draft - max(len(generated) - self.num_sampled_tokens_per_step, 0)
+                num_rejected = model_runner_output.num_rejected_drafts.get(request_id, fallback)
                 num_accepted = num_draft - num_rejected
                 # Rejections roll back num_computed_tokens and the placeholders that covered
                 # the drafts; a stale count predates the preemption rollback.

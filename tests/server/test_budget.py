@@ -42,3 +42,16 @@ def test_shared_cores_make_the_worker_yield_to_load() -> None:
     shared, own = plan_budget(1, None, cores=2), plan_budget(1, None, cores=16)
     assert yield_to_load(shared) is True
     assert yield_to_load(own) is False
+
+
+def test_every_rank_s_threads_count() -> None:
+    """Tensor/pipeline-parallel ranks are worker processes: R ranks of k threads each."""
+    two = plan_budget(1, None, cores=2, ranks=2)
+    assert two.worker_threads == 1 and two.compute_threads == 3
+    assert "2 rank workers per engine" in two.line() and "1 + 1*2*1 = 3" in two.line()
+    assert plan_budget(1, None, cores=16, ranks=2).worker_threads == 7
+    assert plan_budget(2, None, cores=16, ranks=2).worker_threads == 3
+    with pytest.raises(BudgetError, match=r"--tensor-parallel-size x --pipeline-parallel-size"):
+        plan_budget(1, None, cores=2, ranks=3)
+    with pytest.raises(BudgetError, match=r"--worker-threads 2 x 2 ranks: .* <= 1"):
+        plan_budget(1, 2, cores=2, ranks=2)

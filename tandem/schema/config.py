@@ -59,6 +59,14 @@ class ModelConfig(_Section):
         description="auto: float32 decode attention on CPU uses the compiled kernel when a "
         "C++ compiler is present; torch: SDPA over gathered contexts everywhere",
     )
+    f32_linear: Literal["auto", "panel", "dual", "onednn"] = Field(
+        "auto",
+        description="float32 linears on CPU: panel = one copy in the panel kernel's layout "
+        "(fastest at decode row counts); dual = also a oneDNN-packed copy for products over "
+        "16 rows (prefill, large batches; twice the layers' weight memory); onednn = oneDNN "
+        "only; auto = dual on CPUs with AVX-512 for models whose checkpoint is at most 2 GiB, "
+        "else panel (docs/cpu-performance.md)",
+    )
     seed: int = 0
     max_model_len: int | None = Field(None, ge=2)
     max_logprobs: int = Field(

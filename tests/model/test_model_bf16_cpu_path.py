@@ -22,7 +22,7 @@ from tandem.llm import LLM
 from tandem.models import cpu_features
 from tandem.models.cpu_kernels import PagedDecodeKernel, paged_decode_kernel
 from tandem.models.hf_model import HFStepModel
-from tandem.models.linear_choice import cpu_bf16_linear
+from tandem.models.linear_choice import RowDispatchLinear, cpu_bf16_linear
 from tandem.models.packed_linear import PackedLinear
 from tandem.models.panel_linear import Bf16Linear, F32PanelLinear
 from tandem.schema.sampling_params import SamplingParams
@@ -255,7 +255,8 @@ def test_auto_on_cpu_stays_float32(tiny_models: dict[str, Path]) -> None:
     try:
         model = llm.engine.executor.worker.model
         assert all(k.dtype == torch.float32 for k, _ in model.kv_caches)
-        assert isinstance(model.fused.layers[0].qkv, (PackedLinear, F32PanelLinear))
+        float32_linears = (PackedLinear, F32PanelLinear, RowDispatchLinear)
+        assert isinstance(model.fused.layers[0].qkv, float32_linears)
         assert not isinstance(model.fused.layers[0].qkv, Bf16Linear)
         assert not model.fused.bf16_cpu
     finally:

@@ -1,4 +1,5 @@
-"""One copy of each weight in a loaded step model (issue 16 item 6), outputs unchanged.
+"""One copy of each weight in a loaded step model (issue 16 item 6) with the one-copy
+layout (`model.f32_linear: panel`), outputs unchanged.
 
 After `HFStepModel` is built (fused decoder, LM head), the distinct storages reachable from
 it add up to at most 1.05x the checkpoint's parameters (tied weights once; a tied LM head
@@ -29,6 +30,13 @@ from tandem.testing.weight_storage import (
 ARCHS = [pytest.param(a, id=a) for a in TINY_ARCHS]
 #: Allowed slack over the parameter bytes (oneDNN's blocked layout may pad; norms copied).
 SLACK = 1.05
+
+
+@pytest.fixture(autouse=True)
+def one_copy_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-copy layout (`model.f32_linear: panel`); `dual`, auto's choice on AVX-512
+    CPUs, keeps a second oneDNN copy of each layer weight on purpose."""
+    monkeypatch.setenv("TANDEM_F32_LINEAR", "panel")
 
 
 def _step_model(model_dir: Path) -> HFStepModel:

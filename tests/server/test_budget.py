@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tandem.server.budget import BudgetError, plan_budget, yield_to_load
@@ -55,3 +57,20 @@ def test_every_rank_s_threads_count() -> None:
         plan_budget(1, None, cores=2, ranks=3)
     with pytest.raises(BudgetError, match=r"--worker-threads 2 x 2 ranks: .* <= 1"):
         plan_budget(1, 2, cores=2, ranks=2)
+
+
+def test_serve_schedules_synchronously_unless_asked(tmp_path: Path) -> None:
+    """`tandem serve` defaults to sync scheduling (as vllm serve); the flag or a stack file
+    that sets async_scheduling wins."""
+    from argparse import Namespace
+
+    from tandem.server.api_server import _serves_sync_by_default
+
+    assert _serves_sync_by_default(Namespace(async_scheduling=None, config=None))
+    assert not _serves_sync_by_default(Namespace(async_scheduling=True, config=None))
+    assert not _serves_sync_by_default(Namespace(async_scheduling=False, config=None))
+    stack = tmp_path / "stack.yaml"
+    stack.write_text("scheduler:\n  async_scheduling: true\n")
+    assert not _serves_sync_by_default(Namespace(async_scheduling=None, config=str(stack)))
+    stack.write_text("scheduler:\n  max_num_seqs: 8\n")
+    assert _serves_sync_by_default(Namespace(async_scheduling=None, config=str(stack)))

@@ -1,12 +1,15 @@
-"""Tiny random models for the multi-rank tests (saved once per session, no tokenizer)."""
+"""Tiny random models for the multi-rank tests (saved once per session, no tokenizer), and
+`closing`: engines shut down after the test."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tandem import LLM
 from tandem.testing.tiny_model import TINY_ARCHS, save_tiny_model, save_tiny_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -26,3 +29,12 @@ def tiny_chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     save_tiny_model("llama", directory)
     save_tiny_tokenizer(directory)
     return directory
+
+
+@pytest.fixture
+def closing() -> Iterator[list[LLM]]:
+    """Engines to shut down after the test (their rank processes with them)."""
+    engines: list[LLM] = []
+    yield engines
+    for llm in engines:
+        llm.engine.shutdown()

@@ -14,7 +14,6 @@ rounding (the row-parallel sums; see `models/diffusion_gemma_parallel.py`).
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -46,15 +45,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         paths[name] = tmp_path_factory.mktemp(f"dg-{name}")
         tiny_diffusion_gemma(text, canvas).save_pretrained(paths[name])
     return paths
-
-
-@pytest.fixture
-def closing() -> Iterator[list[LLM]]:
-    """Engines to shut down after the test (their rank processes with them)."""
-    engines: list[LLM] = []
-    yield engines
-    for llm in engines:
-        llm.engine.shutdown()
 
 
 def _pair(path: Path, closing: list[LLM], **kw: Any) -> tuple[LLM, LLM]:

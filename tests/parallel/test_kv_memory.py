@@ -3,7 +3,6 @@ ranks and shrinks every pool to it before the scheduler is built (`core/worker/k
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +15,6 @@ from tandem.schema.config import ConfigError, EngineConfig
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 50))]
-
-
-@pytest.fixture
-def closing() -> Iterator[list[LLM]]:
-    engines: list[LLM] = []
-    yield engines
-    for llm in engines:
-        llm.engine.shutdown()
 
 
 class _Ranks:

@@ -45,14 +45,6 @@ def _tokens(llm: LLM, params: SamplingParams | list[SamplingParams]) -> list[lis
     return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-@pytest.fixture
-def closing() -> Iterator[list[LLM]]:
-    engines: list[LLM] = []
-    yield engines
-    for llm in engines:
-        llm.engine.shutdown()
-
-
 def _scheduler(llm: LLM) -> Any:
     return llm.engine.plugin_manager.plugins_with_role("scheduler")[0]
 

@@ -8,7 +8,6 @@ each TP rank reads about half of the checkpoint and each stage exactly its own l
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +28,6 @@ from tandem.models.hf_model import HFStepModel
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 61))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture
-def closing() -> Iterator[list[LLM]]:
-    """Engines to shut down after the test (their rank processes with them)."""
-    engines: list[LLM] = []
-    yield engines
-    for llm in engines:
-        llm.engine.shutdown()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -10,7 +10,6 @@ import os
 import random
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +46,6 @@ def _tokens(llm: LLM, params: SamplingParams | list[SamplingParams]) -> list[lis
 
 def _scheduler(llm: LLM) -> Any:
     return llm.engine.plugin_manager.plugins_with_role("scheduler")[0]
-
-
-@pytest.fixture
-def closing() -> Iterator[list[LLM]]:
-    """Engines to shut down after the test (their rank processes with them)."""
-    engines: list[LLM] = []
-    yield engines
-    for llm in engines:
-        llm.engine.shutdown()
 
 
 def _pair(model_dir: Path, closing: list[LLM], **kw: Any) -> tuple[LLM, LLM]:

@@ -242,7 +242,9 @@ class EngineHookSpecs:
         Caller: the kernel, in step order, after it drained the aborts queue. Broadcast in
         stack order; exactly one plugin (the scheduler) returns the per-request outputs,
         every other implementation returns None. The scheduler appends tokens, resolves
-        placeholders and rejected drafts, applies stop checks (trimming tokens after a
+        placeholders, rolls rejected drafts back by the worker's explicit count
+        (`model_runner_output.num_rejected_drafts`), records the drafter's next proposals
+        (`draft_token_ids`), applies stop checks (trimming tokens after a
         stop), finishes and frees requests, and advances the KV fence; it skips requests
         that finished or were aborted while the step was in flight. Others (grammar,
         drafter metrics) observe or advance their own state.
@@ -334,7 +336,11 @@ class WorkerHookSpecs:
         the step's batch to keep its own KV in step with the target's. A drafter frees its
         state for `context.finished_req_ids`; the target's KV layout (block ids, slot
         mapping) may index a drafter-owned pool, whose slots past a request's valid tokens
-        are the drafter's to overwrite.
+        are the drafter's to overwrite. A model-based drafter reads the target only through
+        `context.target`, a `DraftTarget` (embedding, RoPE, whole-vocabulary logits,
+        LM-head rows; collective under tensor parallelism, where every rank calls this hook
+        alike). Under pipeline parallelism only the last stage calls it; its proposals
+        reach the earlier stages with the step's sampled ids.
         """
 
 

@@ -23,27 +23,24 @@ if TYPE_CHECKING:
 def hf_draft_target(model: HFStepModel) -> DraftTarget:
     causal_lm = model.model
     inner = causal_lm.model
+    head = model.lm_head
     if model.rank.tp_size == 1:
-        head = model.lm_head
-        return DraftTarget(
-            device=model.device,
-            dtype=causal_lm.dtype,
-            vocab_size=model.vocab_size,
-            hf_config=causal_lm.config,
-            embed=inner.embed_tokens,
-            rotary=inner.rotary_emb,
-            logits=lambda hidden: head(hidden),
-            lm_head_rows=lambda ids: head.dense_weight()[ids],
-        )
+        embed = inner.embed_tokens
+        logits = head
+        lm_head_rows = lambda ids: head.dense_weight()[ids]  # noqa: E731
+    else:
+        embed = model.fused.embed
+        logits = lambda hidden: _gathered_logits(model, hidden)  # noqa: E731
+        lm_head_rows = lambda ids: _gathered_rows(model, ids)  # noqa: E731
     return DraftTarget(
         device=model.device,
         dtype=causal_lm.dtype,
         vocab_size=model.vocab_size,
         hf_config=causal_lm.config,
-        embed=model.fused.embed,
+        embed=embed,
         rotary=inner.rotary_emb,
-        logits=lambda hidden: _gathered_logits(model, hidden),
-        lm_head_rows=lambda ids: _gathered_rows(model, ids),
+        logits=logits,
+        lm_head_rows=lm_head_rows,
     )
 
 

@@ -108,9 +108,10 @@ class ModelRunner:
         self.samples = self.pipeline is None or self.pipeline.is_last
         self.drafts = DraftStore(num_spec_tokens, runs_drafter=self.samples)
         #: What a model-based drafter reads of the target (None without drafts, or for a
-        #: model that offers no `draft_target()`).
+        #: model that offers no `draft_target()`, or a pipeline stage that does not draft).
         make_target = getattr(model, "draft_target", None)
-        self.draft_target = make_target() if num_spec_tokens and make_target else None
+        wants_target = bool(num_spec_tokens) and make_target is not None and self.samples
+        self.draft_target = make_target() if wants_target else None
         self._awaiting: deque[AwaitedStep] = deque()
         #: Sampled ids stay on the device between steps (no drafter: drafters read them).
         self.device_outputs = (

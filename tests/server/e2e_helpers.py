@@ -331,3 +331,11 @@ def save_tiny_chat_model(directory: Path) -> Path:
         if (source / name).exists():
             shutil.copy(source / name, directory / name)
     return directory
+
+
+def token_ids(choice: Any) -> list[int]:
+    """The `token_ids` an openai completion choice (or stream chunk) carries (returned on
+    a model without a tokenizer, as vLLM's `return_token_ids`)."""
+    extra = choice.model_extra or {}
+    assert isinstance(extra.get("token_ids"), list), f"no token_ids in {choice}"
+    return extra["token_ids"]

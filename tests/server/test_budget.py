@@ -65,12 +65,14 @@ def test_serve_schedules_synchronously_unless_asked(tmp_path: Path) -> None:
     from argparse import Namespace
 
     from tandem.server.api_server import _serves_sync_by_default
+    from tandem.stack_file import load_config
 
-    assert _serves_sync_by_default(Namespace(async_scheduling=None, config=None))
-    assert not _serves_sync_by_default(Namespace(async_scheduling=True, config=None))
-    assert not _serves_sync_by_default(Namespace(async_scheduling=False, config=None))
+    unset, on, off = (Namespace(async_scheduling=v) for v in (None, True, False))
+    assert _serves_sync_by_default(unset, None)
+    assert not _serves_sync_by_default(on, None)
+    assert not _serves_sync_by_default(off, None)
     stack = tmp_path / "stack.yaml"
     stack.write_text("scheduler:\n  async_scheduling: true\n")
-    assert not _serves_sync_by_default(Namespace(async_scheduling=None, config=str(stack)))
+    assert not _serves_sync_by_default(unset, load_config(stack))
     stack.write_text("scheduler:\n  max_num_seqs: 8\n")
-    assert _serves_sync_by_default(Namespace(async_scheduling=None, config=str(stack)))
+    assert _serves_sync_by_default(unset, load_config(stack))

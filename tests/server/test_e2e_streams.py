@@ -16,7 +16,6 @@ import json
 import socket
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import openai
@@ -27,6 +26,7 @@ from e2e_helpers import (
     metric_values,
     running_server,
     scaled,
+    token_ids,
     wait_for,
     wait_idle,
 )
@@ -61,12 +61,6 @@ def reference() -> list[list[int]]:
     finally:
         llm.shutdown()
     return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def token_ids(choice: Any) -> list[int]:
-    extra = choice.model_extra or {}
-    assert isinstance(extra.get("token_ids"), list), f"no token_ids in {choice}"
-    return extra["token_ids"]
 
 
 async def stream_tokens(

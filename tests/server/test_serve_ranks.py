@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
-from e2e_helpers import ServerProcess, running_server
+from e2e_helpers import ServerProcess, running_server, token_ids
 
 from tandem import LLM, SamplingParams
 from tandem.testing.tiny_model import save_tiny_model
@@ -42,12 +41,6 @@ def reference(tiny_llama: Path) -> list[list[int]]:
         llm.shutdown()
 
 
-def _token_ids(choice: Any) -> list[int]:
-    extra = choice.model_extra or {}
-    assert isinstance(extra.get("token_ids"), list), f"no token_ids in {choice}"
-    return extra["token_ids"]
-
-
 def test_the_budget_line_counts_every_rank(server: ServerProcess) -> None:
     assert "2 rank workers per engine (tensor x pipeline parallel)" in server.log()
 
@@ -64,7 +57,7 @@ def test_completions_on_two_ranks_equal_one_rank(
             temperature=0,
             extra_body={"ignore_eos": True},
         )
-        assert _token_ids(plain.choices[0]) == expected
+        assert token_ids(plain.choices[0]) == expected
         streamed: list[int] = []
         for chunk in client.completions.create(
             model="tiny",
@@ -75,7 +68,7 @@ def test_completions_on_two_ranks_equal_one_rank(
             extra_body={"ignore_eos": True},
         ):
             if chunk.choices:
-                streamed += (chunk.choices[0].model_extra or {}).get("token_ids") or []
+                streamed += token_ids(chunk.choices[0])
         assert streamed == expected
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     assert "tandem" in httpx.get(f"{server.url}/metrics", timeout=10).text

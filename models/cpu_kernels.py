@@ -35,7 +35,7 @@ def load_library(source: str, abi_symbol: str, abi: int, fallback: str) -> ctype
 
 #: The KV pool dtypes the decode kernel reads.
 KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16)
-PAGED_DECODE_ABI = 3
+PAGED_DECODE_ABI = 4
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,41 @@ class PagedDecodeKernel:
 
     function: ctypes._CFuncPtr  # type: ignore[name-defined]
     function_bf16: ctypes._CFuncPtr  # type: ignore[name-defined]
+    write_function: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+    def write_kv(
+        self,
+        key_pool: torch.Tensor,
+        value_pool: torch.Tensor,
+        key: torch.Tensor,  # [T, kv_heads, head_dim]
+        value: torch.Tensor,
+        slots: torch.Tensor,  # [T] int64, contiguous
+    ) -> bool:
+        """Store `key`/`value` rows at `slots` of float32 pools in one pass; False (nothing
+        written) when the dtypes or strides are not the kernel's: the caller uses torch."""
+        if key_pool.dtype != torch.float32 or value_pool.dtype != torch.float32:
+            return False
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            return False
+        num_tokens, kv_heads, head_dim = key.shape
+        for rows in (key, value):
+            if rows.dtype != torch.float32 or rows.stride()[1:] != (head_dim, 1):
+                return False
+        if num_tokens:
+            self.write_function(
+                key_pool.data_ptr(),
+                value_pool.data_ptr(),
+                key.data_ptr(),
+                value.data_ptr(),
+                slots.data_ptr(),
+                num_tokens,
+                key.stride(0),
+                value.stride(0),
+                kv_heads,
+                head_dim,
+                key_pool.shape[-1],
+            )
+        return True
 
     def __call__(
         self,
@@ -102,4 +137,7 @@ def paged_decode_kernel() -> PagedDecodeKernel | None:
     for fn in functions:
         fn.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
         fn.restype = None
-    return PagedDecodeKernel(*functions)
+    write = library.tandem_write_kv_f32
+    write.argtypes = [ptr] * 5 + [i64] * 6
+    write.restype = None
+    return PagedDecodeKernel(*functions, write)

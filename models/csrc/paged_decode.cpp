@@ -11,6 +11,11 @@
 //         attend, the new token's included; its K/V are already written).
 // All tensors contiguous.
 //
+// `tandem_write_kv_f32` stores a step's keys and values into float32 pools of that layout:
+// token t goes to slot slots[t] (block slots[t] / block_size, offset slots[t] % block_size);
+// key/value rows are [kv_heads, head_dim] contiguous, rows `*_row_stride` floats apart (the
+// views of a fused qkv projection). One pass, no index tensors.
+//
 // Work item = (request, kv head): the q_heads / kv_heads query heads of a GQA group share
 // one pass over the group's keys, a softmax, and one pass over its values. Each key and
 // value is read once; nothing is gathered or copied. Common shapes (head_dim 64 or 128,
@@ -243,7 +248,7 @@ void run(const Problem<T>& p, int64_t num_requests, int num_threads) {
 
 }  // namespace
 
-extern "C" int tandem_paged_decode_abi_version() { return 3; }
+extern "C" int tandem_paged_decode_abi_version() { return 4; }
 
 extern "C" void tandem_paged_decode_f32(const float* q, const float* k_pool, const float* v_pool,
                                         const int64_t* block_tables, const int64_t* seq_lens,
@@ -265,4 +270,20 @@ extern "C" void tandem_paged_decode_bf16(const float* q, const uint16_t* k_pool,
   const Problem<uint16_t> p{q,        k_pool,   v_pool,     block_tables, seq_lens, out,  q_heads,
                             kv_heads, head_dim, block_size, max_blocks,   scale};
   run(p, num_requests, num_threads);
+}
+
+extern "C" void tandem_write_kv_f32(float* k_pool, float* v_pool, const float* key,
+                                    const float* value, const int64_t* slots, int64_t num_tokens,
+                                    int64_t key_row_stride, int64_t value_row_stride,
+                                    int64_t kv_heads, int64_t head_dim, int64_t block_size) {
+  const int64_t width = kv_heads * head_dim;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slots[t];
+    const int64_t block = slot / block_size, offset = slot % block_size;
+    const float* k_row = key + t * key_row_stride;
+    float* k_block = k_pool + block * width * block_size + offset;
+    for (int64_t i = 0; i < width; ++i) k_block[i * block_size] = k_row[i];
+    std::copy(value + t * value_row_stride, value + t * value_row_stride + width,
+              v_pool + slot * width);
+  }
 }

@@ -13,7 +13,11 @@ beside it in bounded loops:
 - **junk**: deep JSON, huge lists, lone surrogates, keyless requests (all refused).
 
 The hostile loops run in a process of their own, so the normal client's process measures
-the server, not its own threads' contention.
+the server, not its own threads' contention. That process runs at `--attacker-nice`
+(default 19): a real attacker's client code runs on its own machine, while here its Python
+loops (about 0.7 of the 2 cores) would compete with the server for the CPU; at nice 19 it
+takes only what the server and the normal client leave, and every request it sends is
+still served in full. `--attacker-nice 0` measures the attacker as an equal neighbour.
 
 Runs `--rounds` pairs (alone, then under attack: external load on a shared machine drifts,
 so each pair is compared with itself) and, with `--ablation`, one pair per hostile loop on
@@ -23,6 +27,7 @@ ratios within 2x), the CPU the server and the attacker used meanwhile, the load 
 what each hostile loop did, the thread counts and the CPU flags.
 
     python benchmarks/hostile_clients.py [--requests 30] [--tokens 8] [--rounds 3] [--ablation]
+        [--attacker-nice 19]
 """
 
 from __future__ import annotations
@@ -155,10 +160,13 @@ def hostile_loops(url: str, port: int) -> list[Hostile]:
     ]  # fmt: skip
 
 
-def run_hostile(url: str, port: int, names: list[str], stop: Any, results: Any) -> None:
+def run_hostile(
+    url: str, port: int, names: list[str], stop: Any, results: Any, nice: int = 0
+) -> None:
     """The hostile loops named, in their own process (the normal client's process stays
-    quiet: its latency is the server's, not its own threads' GIL contention), until
-    `stop`."""
+    quiet: its latency is the server's, not its own threads' GIL contention) at niceness
+    `nice`, until `stop`."""
+    os.nice(nice)
     loops = [h for h in hostile_loops(url, port) if h.name in names]
     for h in loops:
         h.thread.start()
@@ -207,14 +215,16 @@ def cpu_flags() -> list[str]:
 
 
 def attack_round(
-    server: ServerProcess, loops: list[str], requests: int, tokens: int
+    server: ServerProcess, loops: list[str], requests: int, tokens: int, nice: int
 ) -> dict[str, Any]:
     """One pair: the normal client alone, then beside the hostile `loops` (their own
     process, started 5 s before the measurement)."""
     alone = normal_latencies(server.url, requests, tokens)
     ctx = multiprocessing.get_context("spawn")
     stop, counts = ctx.Event(), ctx.Queue()
-    attacker = ctx.Process(target=run_hostile, args=(server.url, server.port, loops, stop, counts))
+    attacker = ctx.Process(
+        target=run_hostile, args=(server.url, server.port, loops, stop, counts, nice)
+    )
     attacker.start()
     time.sleep(5.0)  # let every loop get going
     try:
@@ -252,6 +262,9 @@ def main() -> None:
     parser.add_argument(
         "--ablation", action="store_true", help="also one pair per loop, each alone"
     )
+    parser.add_argument(
+        "--attacker-nice", type=int, default=19, help="niceness of the hostile clients' process"
+    )
     parser.add_argument("--out", default=str(ROOT / "results" / "hostile_clients.json"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tandem-hostile-") as tmp:
@@ -265,11 +278,14 @@ def main() -> None:
         try:
             server.wait_ready()
             rounds = [
-                attack_round(server, list(LOOPS), args.requests, args.tokens)
+                attack_round(server, list(LOOPS), args.requests, args.tokens, args.attacker_nice)
                 for _ in range(args.rounds)
             ]
             ablation = (
-                [attack_round(server, [name], args.requests, args.tokens) for name in LOOPS]
+                [
+                    attack_round(server, [name], args.requests, args.tokens, args.attacker_nice)
+                    for name in LOOPS
+                ]
                 if args.ablation
                 else []
             )
@@ -281,7 +297,9 @@ def main() -> None:
         "what": "a normal client's chat latency alone vs beside hostile clients, one server; "
         "pairs of runs (alone, then under attack), ratio of medians per pair",
         "command": f"python benchmarks/hostile_clients.py --requests {args.requests} "
-        f"--tokens {args.tokens} --rounds {args.rounds}" + (" --ablation" if args.ablation else ""),
+        f"--tokens {args.tokens} --rounds {args.rounds} --attacker-nice {args.attacker_nice}"
+        + (" --ablation" if args.ablation else ""),
+        "attacker_nice": args.attacker_nice,
         "ratio_median_of_pairs": statistics.median(ratios),
         "ratios": ratios,
         "goal": "ratio_median_of_pairs <= 2.0",

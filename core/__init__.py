@@ -1,6 +1,5 @@
-"""The tandem kernel: engine loop, data model, hook contract, plugin manager, config,
-executors. It imports no policy module: schedulers, samplers, drafters and grammar backends
-are plugins loaded by name."""
+"""The tandem kernel: engine loop, data model, hook contract, plugin manager, executors. It
+imports no policy module: schedulers, samplers, drafters, grammars are plugins, by name."""
 
 from tandem.core.hookspecs import hookimpl, hookspec
 

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from tandem.kv.connector import KVConnectorSchedulerSpecs, KVConnectorWorkerSpecs
+
 if TYPE_CHECKING:
     from collections.abc import Collection, Sequence
 
@@ -53,8 +55,8 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
-class EngineHookSpecs:
-    """Hooks the kernel calls in the engine process."""
+class EngineHookSpecs(KVConnectorSchedulerSpecs):
+    """Hooks the kernel calls in the engine process (the KV-connector ones inherited)."""
 
     @hookspec
     def tandem_stack_loaded(self, manager: TandemPluginManager) -> None:
@@ -295,8 +297,8 @@ class EngineHookSpecs:
         """
 
 
-class WorkerHookSpecs:
-    """Hooks the model runner calls in the worker."""
+class WorkerHookSpecs(KVConnectorWorkerSpecs):
+    """Hooks the model runner calls in the worker (the KV-connector ones inherited)."""
 
     @hookspec(firstresult=True)
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput | None:

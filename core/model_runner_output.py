@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from tandem.core.outputs import TokenLogprobs
+from tandem.kv.connector import KVConnectorOutput
 
 
 @dataclass(slots=True)
@@ -59,6 +60,8 @@ class ModelRunnerOutput:
     #: entry per prompt token after the first (vLLM's prompt logprobs without the leading
     #: None), computed over all its prefill chunks.
     prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
+    #: The KV connector's transfers and failed loads of this step (None: no connector).
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @runtime_checkable

@@ -28,8 +28,8 @@ from tandem.schema.config import ConfigError, EngineConfig, PluginSpec
 from tandem.schema.sampling_params import format_validation_error
 
 ENTRY_POINT_GROUP = "tandem.plugins"
-ENGINE_HOOKS = frozenset(n for n in vars(EngineHookSpecs) if not n.startswith("_"))
-WORKER_HOOKS = frozenset(n for n in vars(WorkerHookSpecs) if not n.startswith("_"))
+ENGINE_HOOKS = frozenset(n for n in dir(EngineHookSpecs) if not n.startswith("_"))
+WORKER_HOOKS = frozenset(n for n in dir(WorkerHookSpecs) if not n.startswith("_"))
 ALL_HOOKS = ENGINE_HOOKS | WORKER_HOOKS
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.schema.sampling_params import SamplingParams
 
@@ -77,6 +78,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     pending_structured_output_tokens: bool = False
     structured_output_request_ids: list[str] = field(default_factory=list)
+    #: The KV connector's transfer plan for this step (`build_connector_meta`), or None.
+    kv_connector_metadata: Any = None
 
 
 def drafts_to_verify(scheduled: list[int], proposal: Sequence[int]) -> list[int]:

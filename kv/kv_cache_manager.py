@@ -296,6 +296,26 @@ class KVCacheManager:
             cache_block(req_blocks[i], hashes[i])
         self.num_cached_blocks[rid] = num_full
 
+    def invalidate_blocks(self, block_ids: set[int]) -> None:
+        """Forget the prefix-cache entries of blocks whose contents are garbage (a failed
+        KV load): no later request may hit them. The blocks stay with their holders, who
+        recompute them (:meth:`rewind` lets their recomputed blocks be cached again)."""
+        pool = self.block_pool
+        cache = pool.cached_block_hash_to_block
+        for block_id in block_ids:
+            block = pool.blocks[block_id]
+            if block.block_hash is not None and cache.get(block.block_hash) is block:
+                del cache[block.block_hash]
+            block.block_hash = None
+
+    def rewind(self, request_id: str, num_computed_tokens: int) -> None:
+        """The request's KV is valid only below `num_computed_tokens` again (it keeps its
+        blocks): its blocks from there on are offered to the prefix cache anew once
+        recomputed."""
+        num_valid_blocks = num_computed_tokens // self.block_size
+        if self.num_cached_blocks.get(request_id, 0) > num_valid_blocks:
+            self.num_cached_blocks[request_id] = num_valid_blocks
+
     # ------------------------------------------------------------ free/fence
 
     def free(self, request_id: str) -> None:

@@ -27,12 +27,13 @@ from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.scheduler_state import SchedulerState
 from tandem.core.waiting_queue import WaitingQueue
 from tandem.kv import KVBlock, KVCacheManager
+from tandem.plugins.kv_connector_link import KVConnectorLink
 from tandem.plugins.policy_hooks import PolicyHooks
 from tandem.plugins.request_queue import make_queue
 from tandem.plugins.scheduler_stats import SchedulerStats
 from tandem.plugins.spec_metrics import SpecDecodeMetrics
 from tandem.plugins.step_plan import StepPlan
-from tandem.plugins.stop_check import check_stop
+from tandem.plugins.stop_check import append_output
 from tandem.schema.config import EngineConfig
 
 
@@ -75,11 +76,13 @@ class ReferenceScheduler(TandemPlugin):
         self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec else None
         #: The policy seams; without a plugin manager (unit tests): the defaults.
         self.policy_hooks = PolicyHooks(None, self.select_preemption_victim)
+        self.kv_link = KVConnectorLink()  # the stack's KV connector: stack loaded
 
     # Policy seams -----------------------------------------------------------------------
     @hookimpl
     def tandem_stack_loaded(self, manager: TandemPluginManager) -> None:
         self.policy_hooks = PolicyHooks(manager.hook, self.select_preemption_victim)
+        self.kv_link = KVConnectorLink(manager.hook)
         queue = self.policy_hooks.waiting_queue(self.config)
         if queue is not None:
             self.waiting = queue
@@ -169,6 +172,7 @@ class ReferenceScheduler(TandemPlugin):
         """Preemption by recompute: free blocks (fenced), reset the ledger, requeue. Results
         of steps in flight for it become stale (`num_stale_output_tokens`: dropped)."""
         self.kv_cache_manager.free(request.request_id)
+        self.kv_link.resend.discard(request.request_id)  # it comes back as new anyway
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -191,7 +195,8 @@ class ReferenceScheduler(TandemPlugin):
             self._schedule_waiting(plan)
         self.step_id += 1
         finished, self.finished_req_ids = self.finished_req_ids, set()
-        return plan.to_output(self.step_id, self.kv_cache_manager, self.requests, finished)
+        output = plan.to_output(self.step_id, self.kv_cache_manager, self.requests, finished)
+        return self.kv_link.with_metadata(output)
 
     def _schedule_running(self, plan: StepPlan) -> None:
         """RUNNING in order, each with its outstanding work within the budget; a request
@@ -221,7 +226,10 @@ class ReferenceScheduler(TandemPlugin):
                     break  # the request preempted itself: nothing else can fit either
                 req_index += 1
                 continue
-            plan.add_running(request, num_new_tokens, [b.block_id for b in blocks])
+            if self.kv_link.take_resend(request.request_id):  # rolled back: worker anew
+                plan.add_resent(request, num_new_tokens)
+            else:
+                plan.add_running(request, num_new_tokens, [b.block_id for b in blocks])
             req_index += 1
 
     def _allocate(
@@ -264,19 +272,24 @@ class ReferenceScheduler(TandemPlugin):
                 if request.sampling_params.prompt_logprobs is None
                 else ([], 0)
             )
-            num_new_tokens = self._num_new_tokens(request, plan.token_budget, num_hit_tokens)
+            kv = self.kv_cache_manager
+            # tokens the KV connector loads past the local hit
+            num_external = self.kv_link.external_tokens(request, num_hit_tokens, kv.block_size)
+            num_computed = num_hit_tokens + num_external
+            num_new_tokens = self._num_new_tokens(request, plan.token_budget, num_computed)
             if num_new_tokens <= 0:
                 break
-            kv = self.kv_cache_manager
-            blocks = kv.allocate_slots(request, num_new_tokens, num_hit_tokens, hit_blocks)
+            num_slots = num_new_tokens + num_external
+            blocks = kv.allocate_slots(request, num_slots, num_hit_tokens, hit_blocks)
             if blocks is None:
                 break  # out of KV: admission stops here
             self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_computed
+            self.kv_link.after_alloc(request, kv, num_external)
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = num_computed
                 self.stats.observe_first_scheduled(request)
             plan.add_new(request, num_new_tokens)
         for request in reversed(skipped):
@@ -297,29 +310,12 @@ class ReferenceScheduler(TandemPlugin):
 
     # Results ----------------------------------------------------------------------------
     def _append_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
-        """Append tokens one at a time with a stop check after each; trim after a stop.
-
-        Every returned token resolves one placeholder, including those trimmed at a stop:
-        their slots were reserved and computed either way.
-        """
-        num_returned = len(new_token_ids)
-        stopped = False
-        for num_kept, token_id in enumerate(new_token_ids, 1):
-            request.append_output_token_ids(token_id)
-            if check_stop(request, self.max_model_len):
-                stopped = True
-                # num_computed_tokens covers every kept token but the last one.
-                request.num_computed_tokens -= num_returned - num_kept
-                del new_token_ids[num_kept:]
-                break
-        if request.num_output_placeholders > 0:
-            request.num_output_placeholders -= num_returned
-            assert request.num_output_placeholders >= 0, request.ledger()
-        return new_token_ids, stopped
+        return append_output(request, new_token_ids, self.max_model_len)
 
     def _release(self, request: Request) -> None:
-        """Forget a finished request: free its KV (fenced) and report it to the worker."""
-        self.kv_cache_manager.free(request.request_id)
+        """Forget a finished request: free its KV (fenced; or when the connector's save of
+        it finishes) and report it to the worker."""
+        self.kv_link.release(request, self.kv_cache_manager)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -328,6 +324,10 @@ class ReferenceScheduler(TandemPlugin):
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        # Failed KV loads roll their requests back first: this step's outputs become stale.
+        self.kv_link.fold_output(
+            model_runner_output.kv_connector_output, self.running, self.kv_cache_manager
+        )
         # Proposals: recorded; scheduled as they are (sync) or as placeholders (async).
         drafts = model_runner_output.draft_token_ids
         schedule_drafts = not self.config.scheduler.async_scheduling

@@ -47,6 +47,8 @@ class SchedulerStats:
         if kv.enable_prefix_caching:
             stats["prefix_cache_queries"] = kv.prefix_cache_queries
             stats["prefix_cache_hits"] = kv.prefix_cache_hits
+        if scheduler.kv_link.enabled:  # KV connector: tokens loaded, failed loads
+            stats.update({f"kv_connector_{k}": v for k, v in scheduler.kv_link.stats.items()})
         if scheduler.config.speculative is not None:
             spec = scheduler.spec_metrics
             stats["spec_decode_num_drafts"] = spec.num_steps

@@ -17,7 +17,9 @@ class StepPlan:
     Invariants: `num_scheduled_tokens` holds exactly the requests of `scheduled_running`
     and `scheduled_new`, in the order they were scheduled; `token_budget` is the step's
     budget minus their tokens; `new_block_ids` has an entry for each scheduled RUNNING
-    request; a request is in `preempted` and scheduled never both.
+    request; a request is in `preempted` and scheduled never both, but a `resent` one (its
+    KV rolled back after a failed load) is scheduled as new and reported preempted: the
+    worker drops its state and takes it anew from its valid prefix.
     """
 
     token_budget: int
@@ -31,6 +33,7 @@ class StepPlan:
     scheduled_running: list[Request] = field(default_factory=list)
     scheduled_new: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    resent: list[Request] = field(default_factory=list)
 
     def add_running(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
         """Schedule `num_tokens` of a RUNNING request with its new blocks. The tokens past
@@ -57,14 +60,23 @@ class StepPlan:
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.token_budget -= num_tokens
 
+    def add_resent(self, request: Request, num_tokens: int) -> None:
+        """Schedule `num_tokens` of a RUNNING request that the worker must take anew."""
+        self.resent.append(request)
+        self.add_new(request, num_tokens)
+
     def preempt(self, request: Request) -> None:
         """Record a preempted request; if it was scheduled earlier in this step, undo that
         and give its tokens back to the budget."""
         rid = request.request_id
         if rid in self.num_scheduled_tokens:
-            self.scheduled_running.remove(request)
+            if request in self.resent:
+                self.resent.remove(request)
+                self.scheduled_new.remove(request)
+            else:
+                self.scheduled_running.remove(request)
+                self.new_block_ids.pop(rid)
             self.token_budget += self.num_scheduled_tokens.pop(rid)
-            self.new_block_ids.pop(rid)
             self.spec_decode_tokens.pop(rid, None)
         self.preempted.append(request)
 
@@ -105,7 +117,7 @@ class StepPlan:
             scheduled_spec_decode_tokens=self.spec_decode_tokens,
             num_spec_tokens_to_schedule=self.num_spec_tokens,
             finished_req_ids=finished_req_ids,
-            preempted_req_ids={r.request_id for r in self.preempted},
+            preempted_req_ids={r.request_id for r in (*self.preempted, *self.resent)},
             structured_output_request_ids=[
                 rid for rid in scheduled if requests[rid].use_structured_output
             ],

@@ -38,3 +38,27 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
+
+
+def append_output(
+    request: Request, new_token_ids: list[int], max_model_len: int
+) -> tuple[list[int], bool]:
+    """Append tokens one at a time with a stop check after each; trim after a stop.
+
+    Every returned token resolves one placeholder, including those trimmed at a stop:
+    their slots were reserved and computed either way.
+    """
+    num_returned = len(new_token_ids)
+    stopped = False
+    for num_kept, token_id in enumerate(new_token_ids, 1):
+        request.append_output_token_ids(token_id)
+        if check_stop(request, max_model_len):
+            stopped = True
+            # num_computed_tokens covers every kept token but the last one.
+            request.num_computed_tokens -= num_returned - num_kept
+            del new_token_ids[num_kept:]
+            break
+    if request.num_output_placeholders > 0:
+        request.num_output_placeholders -= num_returned
+        assert request.num_output_placeholders >= 0, request.ledger()
+    return new_token_ids, stopped

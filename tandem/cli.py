@@ -221,7 +221,20 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["worker_num_threads"] = args.threads
     if getattr(args, "download", False):
         out["allow_download"] = True
+    if getattr(args, "kv_transfer_config", None) is not None:
+        out["kv_transfer_config"] = args.kv_transfer_config
     return out
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A command-line JSON object (argparse names the flag in its error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -247,6 +260,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         help="the worker's torch threads (default: OMP_NUM_THREADS if set, else the CPUs "
         "this process may use)",
+    )
+    p.add_argument(
+        "--kv-transfer-config",
+        type=_json_object,
+        help='vLLM\'s KV connector JSON, e.g. \'{"kv_connector": "OffloadingConnector", '
+        '"kv_connector_extra_config": {"cpu_blocks": 4096}}\' (docs/kv-connectors.md)',
     )
     p.add_argument(
         "--download",

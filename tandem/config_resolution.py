@@ -181,7 +181,7 @@ def _entry(config: EngineConfig, spec: PluginSpec, where: str) -> StackEntry:
 
 
 def _check_roles(config: EngineConfig, stack: ResolvedStack, source: str) -> None:
-    for role in ("scheduler", "async-layer", "sampler", "drafter", "grammar"):
+    for role in ("scheduler", "async-layer", "sampler", "drafter", "grammar", "kv-connector"):
         named = [e.name for e in stack.with_role(role)]
         if len(named) > 1:
             raise PluginConfigError(
@@ -261,13 +261,30 @@ def _check_process_paths(config: EngineConfig, stack: ResolvedStack) -> None:
             )
 
 
+#: vLLM connector class names with a bundled tandem equivalent (`kv_transfer.kv_connector`).
+KV_CONNECTOR_ALIASES = {"OffloadingConnector": "kv-offload"}
+
+
 def _base_entries(config: EngineConfig, source: str) -> list[StackEntry]:
-    """The named (or default) stack's entries: classes found, options validated."""
+    """The named (or default) stack's entries: classes found, options validated; then the
+    connector `kv_transfer` names, if any."""
     specs = list(config.plugins) if config.plugins is not None else default_stack(config)
-    return [
+    entries = [
         _entry(config, spec, f"{with_line(source, config._lines, ('plugins', i))}: plugins[{i}]")
         for i, spec in enumerate(specs)
     ]
+    transfer = config.kv_transfer
+    if transfer is not None:
+        name = KV_CONNECTOR_ALIASES.get(transfer.kv_connector, transfer.kv_connector)
+        spec = PluginSpec(name=name, options=transfer.kv_connector_extra_config)
+        entry = _entry(config, spec, f"{source}: kv_transfer.kv_connector")
+        if entry.cap("role") != "kv-connector":
+            raise PluginConfigError(
+                f"{source}: kv_transfer.kv_connector: {transfer.kv_connector!r} is not a KV "
+                "connector plugin (role kv-connector)"
+            )
+        entries.append(entry)
+    return entries
 
 
 def _finish(config: EngineConfig, entries: list[StackEntry], source: str) -> ResolvedStack:

@@ -14,7 +14,8 @@ of plugins with their options:
 
 `LLM(**kw)` keywords override fields by their (unique) name, e.g. `max_num_seqs=64`; a
 whole section by its name or vLLM's: `speculative` / `speculative_config`, `diffusion` /
-`diffusion_config` (a mapping, e.g. `diffusion={"canvas_length": 8}`).
+`diffusion_config`, `kv_transfer` / `kv_transfer_config` (a mapping, e.g.
+`diffusion={"canvas_length": 8}`).
 Every error names the file, the key path and what was expected. A key written twice in one
 mapping is an error (YAML alone would keep the last silently). String values may name
 environment variables, `${NAME}` or `${NAME:-fallback}`; `${TANDEM_CACHE}` always resolves
@@ -36,9 +37,13 @@ from tandem.schema.config import ConfigError, EngineConfig, SpeculativeConfig, w
 from tandem.schema.sampling_params import format_validation_error
 
 _SECTIONS = ("model", "scheduler", "cache", "speculative", "structured_output", "parallel")
-_TOP_LEVEL = ("plugins", "check_invariants", "trace_hooks", "diffusion")
+_TOP_LEVEL = ("plugins", "check_invariants", "trace_hooks", "diffusion", "kv_transfer")
 #: vLLM's keyword names for whole sections (`LLM(speculative_config={...})`).
-_VLLM_SECTION_NAMES = {"speculative_config": "speculative", "diffusion_config": "diffusion"}
+_VLLM_SECTION_NAMES = {
+    "speculative_config": "speculative",
+    "diffusion_config": "diffusion",
+    "kv_transfer_config": "kv_transfer",
+}
 
 
 def _override_target(key: str) -> tuple[str | None, str]:

@@ -18,6 +18,7 @@ from tandem.core.worker.block_diffusion import is_block_diffusion
 from tandem.core.worker.cpu_affinity import allowed_cpus
 from tandem.core.worker.diffusion_runner import DiffusionRunner
 from tandem.core.worker.kv_memory import fitting_blocks
+from tandem.core.worker.kv_transfer import KVTransfer
 from tandem.core.worker.load_governor import LoadGovernor
 from tandem.core.worker.model_loader import load_step_model
 from tandem.core.worker.model_runner import ModelRunner, StepModel
@@ -36,6 +37,10 @@ class Worker:
         self.plugin_manager = TandemPluginManager(config, side="worker", source=config.source)
         self.model = model if model is not None else load_step_model(config)
         self.model_runner = make_runner(config, self.model, self.plugin_manager)
+        #: The stack's KV connector around each forward (None: no connector).
+        self.kv_transfer = KVTransfer.of(
+            self.plugin_manager.hook, self.model, config.cache.block_size
+        )
 
         #: The last steps' `execute_model` spans: (step id, start, end), `time.monotonic()`
         #: (one clock for every process on a host: ranks' lanes line up).
@@ -103,7 +108,12 @@ class Worker:
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
         start = time.monotonic()
-        self.model_runner.execute_model(scheduler_output)
+        if self.kv_transfer is None:
+            self.model_runner.execute_model(scheduler_output)
+        else:
+            self.kv_transfer.run_step(
+                scheduler_output, lambda: self.model_runner.execute_model(scheduler_output)
+            )
         self.spans.append((scheduler_output.step_id, start, time.monotonic()))
 
     def sample_tokens(
@@ -111,7 +121,8 @@ class Worker:
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """The step's output; under async scheduling possibly still being copied to the
         host (the engine resolves it with `resolve_output`)."""
-        return self.model_runner.sample_tokens(grammar_bitmask)
+        output = self.model_runner.sample_tokens(grammar_bitmask)
+        return output if self.kv_transfer is None else self.kv_transfer.attach(output)
 
 
 def make_runner(

@@ -136,6 +136,17 @@ class SpeculativeConfig(_Section):
     )
 
 
+class KVTransferConfig(_Section):
+    """vLLM's `kv_transfer_config`: the stack gets the KV-connector plugin `kv_connector`
+    names (vLLM's class name where tandem bundles an equivalent, e.g. `OffloadingConnector`
+    for `kv-offload`, or any installed connector plugin's name or `module:Class`), with
+    `kv_connector_extra_config` as its options."""
+
+    kv_connector: str
+    kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
+
+
 class StructuredOutputConfig(_Section):
     backend: str = Field(
         "auto",
@@ -276,6 +287,8 @@ class EngineConfig(_Section):
     #: Block-diffusion models (issue 15; `tandem.schema.diffusion_config`); vLLM's key
     #: `diffusion_config` is accepted as the same section.
     diffusion: DiffusionConfig | None = None
+    #: KV connector (issue 26); vLLM's key `kv_transfer_config` is accepted as the same.
+    kv_transfer: KVTransferConfig | None = None
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     plugins: list[PluginSpec] | None = None

@@ -12,9 +12,10 @@ export TOKENIZERS_PARALLELISM := false
 
 EXAMPLE_PLUGIN := examples/tandem-srpt
 EXAMPLE_VICTIM_PLUGIN := examples/tandem-lrw
+EXAMPLE_KV_CONNECTOR := examples/tandem-kvdict
 
 $(STAMP): pyproject.toml requirements/dev.txt $(EXAMPLE_PLUGIN)/pyproject.toml \
-		$(EXAMPLE_VICTIM_PLUGIN)/pyproject.toml
+		$(EXAMPLE_VICTIM_PLUGIN)/pyproject.toml $(EXAMPLE_KV_CONNECTOR)/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
@@ -23,6 +24,7 @@ $(STAMP): pyproject.toml requirements/dev.txt $(EXAMPLE_PLUGIN)/pyproject.toml \
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e $(EXAMPLE_PLUGIN)
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e $(EXAMPLE_VICTIM_PLUGIN)
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e $(EXAMPLE_KV_CONNECTOR)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -35,6 +37,8 @@ test: $(STAMP)
 		--tandem-conformance srpt-order
 	cd $(EXAMPLE_VICTIM_PLUGIN) && ../../$(BIN)/python -m pytest -q -p no:cacheprovider tests \
 		--tandem-conformance lrw-victim
+	cd $(EXAMPLE_KV_CONNECTOR) && ../../$(BIN)/python -m pytest -q -p no:cacheprovider tests \
+		--tandem-kv-connector-conformance kvdict
 
 # Long sweeps, never counted as CI; the engine fuzz runs TANDEM_FUZZ_WORKLOADS workloads.
 TANDEM_FUZZ_WORKLOADS ?= 5000

@@ -290,10 +290,10 @@ class EngineHookSpecs(KVConnectorSchedulerSpecs):
         plugin) and adds `batch_queue_depth`. Values are gauges (`num_running_reqs`,
         `num_waiting_reqs`, `kv_cache_usage` in [0, 1], `num_output_placeholders`),
         cumulative counters since start (`prefix_cache_queries`/`_hits` in tokens,
-        `num_preemptions`, `spec_decode_num_drafts`/`_num_draft_tokens`/
-        `_num_accepted_tokens`, `spec_decode_num_accepted_tokens_per_pos` a list), or lists
-        of observations made since the previous call (`request_queue_time_s`,
-        `grammar_compile_time_s`), each returned once. Must be cheap: no device sync.
+        `num_preemptions`, `spec_decode_*`, `kv_connector_*`, the connector's worker counters
+        `kv_connector_transfers` a dict (`get_kv_connector_stats`)), or lists of observations
+        made since the previous call (`request_queue_time_s`, `grammar_compile_time_s`),
+        each returned once. Must be cheap: no device sync.
         """
 
 

@@ -3,8 +3,7 @@
 Counters (all in tokens), following vLLM V1:
 
 - `num_prompt_tokens`: prompt length, fixed at creation.
-- `num_output_tokens`: output tokens confirmed on the CPU (visible to the client, checked by
-  the stop conditions).
+- `num_output_tokens`: output tokens confirmed on the CPU (seen by clients and stop checks).
 - `num_tokens`: prompt + confirmed outputs ("known" tokens).
 - `num_computed_tokens`: tokens already *scheduled* into a forward pass (counted
   optimistically at schedule time, so KV for them exists or is being written).
@@ -34,6 +33,7 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
+    WAITING_FOR_REMOTE_KVS = 3  # in WAITING, its blocks loading from a KV connector
     # Everything at or above FINISHED_STOPPED is finished.
     FINISHED_STOPPED = 10
     FINISHED_LENGTH_CAPPED = 11

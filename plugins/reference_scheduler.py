@@ -120,7 +120,7 @@ class ReferenceScheduler(TandemPlugin):
 
     @hookimpl
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting) or bool(self.running)
+        return bool(self.waiting) or bool(self.running) or self.kv_link.holds_blocks
 
     @hookimpl
     def scheduler_state(self) -> SchedulerState:
@@ -187,9 +187,8 @@ class ReferenceScheduler(TandemPlugin):
     @hookimpl
     def schedule(self) -> SchedulerOutput:
         self.waiting.advance(time.monotonic())
-        plan = StepPlan(
-            self.max_num_batched_tokens, self.config.num_spec_tokens, self.policy_hooks.not_ready()
-        )
+        not_ready = self.kv_link.not_ready(self.policy_hooks.not_ready())
+        plan = StepPlan(self.max_num_batched_tokens, self.config.num_spec_tokens, not_ready)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -266,15 +265,16 @@ class ReferenceScheduler(TandemPlugin):
             if request.request_id in plan.not_ready:
                 skipped.append(self.waiting.pop())
                 continue
-            # Prompt logprobs need every prompt position computed (vLLM skips the cache too).
-            hit_blocks, num_hit_tokens = (
-                self.kv_cache_manager.get_computed_blocks(request)
-                if request.sampling_params.prompt_logprobs is None
-                else ([], 0)
-            )
             kv = self.kv_cache_manager
-            # tokens the KV connector loads past the local hit
-            num_external = self.kv_link.external_tokens(request, num_hit_tokens, kv.block_size)
+            hit_blocks, num_hit_tokens = self.kv_link.admission_hit(request, kv)
+            # tokens the KV connector loads past the local hit, now or (async) before admission
+            bs = kv.block_size
+            num_external, load_async = self.kv_link.external_tokens(request, num_hit_tokens, bs)
+            if load_async:  # WAITING_FOR_REMOTE_KVS: its blocks now, admitted once loaded
+                if not self.kv_link.start_load(request, kv, hit_blocks, num_external):
+                    break  # out of KV: admission stops here
+                skipped.append(self.waiting.pop())
+                continue
             num_computed = num_hit_tokens + num_external
             num_new_tokens = self._num_new_tokens(request, plan.token_budget, num_computed)
             if num_new_tokens <= 0:
@@ -325,9 +325,7 @@ class ReferenceScheduler(TandemPlugin):
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         # Failed KV loads roll their requests back first: this step's outputs become stale.
-        self.kv_link.fold_output(
-            model_runner_output.kv_connector_output, self.running, self.kv_cache_manager
-        )
+        self.kv_link.fold_output(model_runner_output.kv_connector_output, self)
         # Proposals: recorded; scheduled as they are (sync) or as placeholders (async).
         drafts = model_runner_output.draft_token_ids
         schedule_drafts = not self.config.scheduler.async_scheduling

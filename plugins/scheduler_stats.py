@@ -49,6 +49,7 @@ class SchedulerStats:
             stats["prefix_cache_hits"] = kv.prefix_cache_hits
         if scheduler.kv_link.enabled:  # KV connector: tokens loaded, failed loads
             stats.update({f"kv_connector_{k}": v for k, v in scheduler.kv_link.stats.items()})
+            stats["kv_connector_transfers"] = dict(scheduler.kv_link.transfers)
         if scheduler.config.speculative is not None:
             spec = scheduler.spec_metrics
             stats["spec_decode_num_drafts"] = spec.num_steps

@@ -17,6 +17,8 @@ What it records:
   `canvases`, `canvas_positions`, `request_ids`); and `commit`, one span per committed
   canvas, at the `update_from_output` that appended it, named `commit <request id> +K`
   (args: `request_id`, `tokens` (K), `finish_reason`).
+- with a KV connector in the stack (`KVTransferSpans`), the `kv` lane: each step's
+  `kv load`, `forward` and `kv save` phases as the worker timed them.
 
 How: every implemented hook gets a `wrapper=True, trylast=True` implementation (the wrapper
 next to the implementations, so its teardown follows the last one). Wrappers run around all
@@ -168,6 +170,8 @@ class HookTracing:
         engine.wait_observer = tracing._wait
         if getattr(engine.config, "diffusion", None) is not None:
             engine.plugin_manager.register(DiffusionEvents(tracing), f"{cls.name}:diffusion")
+        if engine.plugin_manager.hook.start_load_kv.get_hookimpls():
+            engine.plugin_manager.register(KVTransferSpans(tracing), f"{cls.name}:kv")
         return tracing
 
     @hookimpl
@@ -330,6 +334,25 @@ class DiffusionEvents:
                 name = f"commit {out.request_id} +{len(out.new_token_ids)}"
                 tracer.add(Span("commit", name, end, end, step, commit))
         return results
+
+
+class KVTransferSpans:
+    """A KV connector's phases on the `kv` lane: per step, `kv load`, `forward` and
+    `kv save` as the worker timed them (`KVConnectorOutput.spans`, one monotonic clock
+    for every process of a host); registered beside `HookTracing` when the stack has a
+    connector."""
+
+    def __init__(self, tracing: HookTracing) -> None:
+        self.tracing = tracing
+
+    @hookimpl(tryfirst=True)
+    def update_from_output(self, model_runner_output: Any) -> None:
+        output = getattr(model_runner_output, "kv_connector_output", None)
+        tracer = self.tracing.tracer
+        if output is None or tracer is None:
+            return
+        for name, start, end in output.spans:
+            tracer.add(Span("kv", name, start, end, self.tracing.engine.num_steps))
 
 
 def tracing_of(engine: EngineCore) -> HookTracing | None:

@@ -167,7 +167,10 @@ def run_tandem(
     spec_metrics = llm.spec_decode_metrics()  # includes the warm-up's few steps
     #: Diffusion runs (issue 15): committed tokens per step, denoising steps per canvas,
     #: tokens per forward (`plugins/diffusion_scheduler.DiffusionStats`); None otherwise.
-    diffusion = llm.engine.stats().get("diffusion")
+    engine_stats = llm.engine.stats()
+    diffusion = engine_stats.get("diffusion")
+    #: A KV connector's counters (docs/kv-connectors.md); None without one.
+    kv_connector = {k: v for k, v in engine_stats.items() if k.startswith("kv_connector")}
     memory = _max_rss_mib()
     kv_pool_tokens = (llm.config.cache.num_kv_blocks or 0) * llm.config.cache.block_size
     llm.shutdown()
@@ -175,6 +178,7 @@ def run_tandem(
         "hook_times": hooks,  # per "plugin.hook": calls, total_ms, ms_per_step
         "spec_decode": spec_metrics,
         "diffusion": diffusion,
+        "kv_connector": kv_connector or None,
         "output_tokens": out_tokens,
         "elapsed_s": elapsed,
         "output_tokens_per_s": out_tokens / elapsed,

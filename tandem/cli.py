@@ -372,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.disaggregated:
+        from tandem.server.disagg import run_disaggregated
+
+        return run_disaggregated(args, args.argv[args.argv.index("serve") + 1 :])
     from tandem.server.api_server import run_server
 
     return run_server(args)
@@ -397,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return trace_main(argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = argv  # `serve --disaggregated` passes its flags on to its servers
     from tandem.schema.config import ConfigError
 
     try:

@@ -262,7 +262,7 @@ def _check_process_paths(config: EngineConfig, stack: ResolvedStack) -> None:
 
 
 #: vLLM connector class names with a bundled tandem equivalent (`kv_transfer.kv_connector`).
-KV_CONNECTOR_ALIASES = {"OffloadingConnector": "kv-offload"}
+KV_CONNECTOR_ALIASES = {"OffloadingConnector": "kv-offload", "MultiConnector": "kv-multi"}
 
 
 def _base_entries(config: EngineConfig, source: str) -> list[StackEntry]:

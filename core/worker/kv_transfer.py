@@ -3,14 +3,16 @@
 Loads: `start_load_kv`, then `wait_for_layer_load` for every layer before the forward
 starts (so no layer reads a block being loaded; the loads do not overlap the forward).
 Saves: `save_kv_layer` for every layer after the forward, then `wait_for_save`. Then
-`get_finished` and `get_block_ids_with_load_errors` become the step's `KVConnectorOutput`,
-attached to the step's `ModelRunnerOutput` when the engine collects it (steps are
-collected in the order they ran). On CUDA the saves are issued after the forward on the
+`get_finished`, `get_block_ids_with_load_errors` and `get_kv_connector_stats` become the
+step's `KVConnectorOutput` (with the load and save phases' wall time and spans), attached
+to the step's `ModelRunnerOutput` when the engine collects it (steps are collected in the
+order they ran). On CUDA the saves are issued after the forward on the
 same stream, so a device-to-host copy reads the written KV.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -50,17 +52,27 @@ class KVTransfer:
     def run_step(self, scheduler_output: SchedulerOutput, forward: Callable[[], None]) -> None:
         """Load, `forward()`, save; queue the step's connector output."""
         hooks, meta = self.hooks, scheduler_output.kv_connector_metadata
+        t_load = time.perf_counter()
         hooks.start_load_kv(metadata=meta)
         for layer in range(self.num_layers):
             hooks.wait_for_layer_load(layer_index=layer)
+        t_forward = time.perf_counter()
         forward()
+        t_save = time.perf_counter()
         for layer in range(self.num_layers):
             hooks.save_kv_layer(layer_index=layer, metadata=meta)
         hooks.wait_for_save()
+        t_end = time.perf_counter()
         finished = hooks.get_finished(finished_req_ids=set(scheduler_output.finished_req_ids))
         sending, recving = finished if finished is not None else (set(), set())
         invalid = hooks.get_block_ids_with_load_errors() or set()
-        self._outputs.append(KVConnectorOutput(set(sending), set(recving), set(invalid)))
+        stats = dict(hooks.get_kv_connector_stats() or {})
+        stats["load_seconds"] = stats.get("load_seconds", 0.0) + (t_forward - t_load)
+        stats["save_seconds"] = stats.get("save_seconds", 0.0) + (t_end - t_save)
+        spans = [("kv load", t_load, t_forward), ("forward", t_forward, t_save)]
+        spans.append(("kv save", t_save, t_end))
+        output = KVConnectorOutput(set(sending), set(recving), set(invalid), stats, spans)
+        self._outputs.append(output)
 
     def attach(
         self, output: ModelRunnerOutput | AsyncModelRunnerOutput

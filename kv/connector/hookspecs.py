@@ -68,7 +68,9 @@ class KVConnectorSchedulerSpecs:
 
     @hookspec
     def update_connector_output(self, connector_output: Any) -> None:
-        """A step's `KVConnectorOutput`, before the scheduler applies its failures."""
+        """A step's `KVConnectorOutput`, before the scheduler applies its failures. The
+        connector may add blocks to `invalid_block_ids` (e.g. loads planned before it
+        learned that their source was computed from a failed block): they fail too."""
 
     @hookspec(firstresult=True)
     def request_finished(
@@ -113,3 +115,13 @@ class KVConnectorWorkerSpecs:
     @hookspec(firstresult=True)
     def get_block_ids_with_load_errors(self) -> set[int] | None:
         """Blocks whose loads failed since the last call (their contents are garbage)."""
+
+    @hookspec(firstresult=True)
+    def get_kv_connector_stats(self) -> dict[str, float] | None:
+        """Counters accumulated since the last call, reset by it: a flat mapping of
+        numbers, summed by the scheduler across steps. Names are `COUNTER` or
+        `COUNTER@TIER`: `loaded_tokens`, `saved_tokens`, `load_seconds`, `save_seconds`,
+        `failed_loads` (per tier where a connector has tiers, e.g. `loaded_tokens@cpu`) are
+        exported in `/metrics`; other names only in `engine_stats`. The worker adds its own
+        wall time of each step's load and save phases to the untiered `load_seconds` and
+        `save_seconds`, so a connector reports its own times per tier."""

@@ -27,12 +27,15 @@ FILE_SUFFIX = ".kv"
 class OffloadPlan:
     """One step's transfers. `loads`: (key, block id, tier) read into the pool before the
     forward; `saves`: (key, block id) copied from the pool to the cpu tier after it;
-    `moves`: ("demote", key) cpu -> disk, ("drop_cpu", key), ("drop_disk", key), in order,
-    after the saves."""
+    `moves`: ("demote", key) cpu -> disk, ("write", key) a copy of a cpu block to disk,
+    ("drop_cpu", key), ("drop_disk", key), in order, after the saves."""
 
     loads: list[tuple[str, int, str]] = field(default_factory=list)
     saves: list[tuple[str, int]] = field(default_factory=list)
     moves: list[tuple[str, str]] = field(default_factory=list)
+    #: Requests waiting for remote KV whose loads are all in this plan: reported in
+    #: `finished_recving` once the loads ran.
+    recv: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, metadata: OffloadPlan | dict[str, Any] | None) -> OffloadPlan | None:
@@ -44,14 +47,20 @@ class OffloadPlan:
             loads=[(str(k), int(b), str(t)) for k, b, t in metadata.get("loads", ())],
             saves=[(str(k), int(b)) for k, b in metadata.get("saves", ())],
             moves=[(str(m), str(k)) for m, k in metadata.get("moves", ())],
+            recv=[str(r) for r in metadata.get("recv", ())],
         )
 
 
 class OffloadIndex:
     """LRU key sets of the two tiers and the plan being built for the next step."""
 
-    def __init__(self, cpu_blocks: int, disk_blocks: int, disk_dir: Path | None) -> None:
+    def __init__(
+        self, cpu_blocks: int, disk_blocks: int, disk_dir: Path | None, shared: bool = False
+    ) -> None:
         self.cpu_blocks, self.disk_blocks, self.disk_dir = cpu_blocks, disk_blocks, disk_dir
+        #: The directory is shared with other engines: every saved block is written to it at
+        #: once, and a key no tier holds is looked for there (another engine's block).
+        self.shared = shared and disk_dir is not None
         self.cpu: OrderedDict[str, None] = OrderedDict()
         self.disk: OrderedDict[str, None] = OrderedDict()
         self.plan = OffloadPlan()
@@ -71,6 +80,9 @@ class OffloadIndex:
             return "cpu"
         if key in self.disk:
             return "disk"
+        if self.shared and (self.disk_dir / (key + FILE_SUFFIX)).exists():  # type: ignore[operator]
+            self.disk[key] = None  # another engine's block: adopted, trimmed at the next save
+            return "disk"
         return None
 
     def plan_load(self, key: str, block_id: int) -> None:
@@ -89,9 +101,14 @@ class OffloadIndex:
             return
         self.plan.saves.append((key, block_id))
         self.cpu[key] = None
+        if self.shared:  # written through, for the other engines
+            self.disk[key] = None
+            self.plan.moves.append(("write", key))
         while len(self.cpu) > self.cpu_blocks:
             old, _ = self.cpu.popitem(last=False)
-            if self.disk_dir is not None and self.disk_blocks > 0:
+            if old in self.disk:  # written through already
+                self.plan.moves.append(("drop_cpu", old))
+            elif self.disk_dir is not None and self.disk_blocks > 0:
                 self.disk[old] = None
                 self.plan.moves.append(("demote", old))
             else:
@@ -107,6 +124,14 @@ class OffloadIndex:
         """A key whose load failed: no tier holds it any more (the worker removed it)."""
         self.cpu.pop(key, None)
         self.disk.pop(key, None)
+
+    def discard(self, key: str) -> None:
+        """A key whose stored block may be wrong: no tier holds it after the next plan (the
+        worker drops the copy and the file)."""
+        if self.cpu.pop(key, "absent") is None:
+            self.plan.moves.append(("drop_cpu", key))
+        if self.disk.pop(key, "absent") is None:
+            self.plan.moves.append(("drop_disk", key))
 
     def take_plan(self) -> OffloadPlan:
         plan, self.plan = self.plan, OffloadPlan()

@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import zlib
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -33,15 +35,25 @@ class BlockLoadError(Exception):
 class OffloadStore:
     """Host copies and files of blocks, applied one `OffloadPlan` at a time."""
 
-    def __init__(self, disk_dir: Path | None) -> None:
+    def __init__(self, disk_dir: Path | None, block_size: int = 0) -> None:
         self.disk_dir = disk_dir
+        self.block_size = block_size
         self.host: dict[str, torch.Tensor] = {}
         #: The worker's pools (the list object itself: it may be refilled in place).
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.failed_blocks: set[int] = set()
+        #: `get_kv_connector_stats` counters since the last `take_stats`, per tier.
+        self.stats: defaultdict[str, float] = defaultdict(float)
+
+    def _count(self, what: str, tier: str, started: float) -> None:
+        """One block moved `what` ("loaded" or "saved") at `tier`, since `started`."""
+        self.stats[f"{what}_tokens@{tier}"] += self.block_size
+        seconds = "load_seconds" if what == "loaded" else "save_seconds"
+        self.stats[f"{seconds}@{tier}"] += time.perf_counter() - started
 
     # Pool <-> payload --------------------------------------------------------------------
-    def _payload(self, block_id: int) -> torch.Tensor:
+    def payload_of(self, block_id: int) -> torch.Tensor:
+        """Block `block_id` of every layer's pools as one `[layers, 2, elements]` tensor."""
         rows = [
             torch.stack([k[block_id].reshape(-1), v[block_id].reshape(-1)])
             for k, v in self.kv_caches
@@ -52,7 +64,9 @@ class OffloadStore:
         k = self.kv_caches[0][0]
         return k.dtype, (len(self.kv_caches), 2, k[0].numel())
 
-    def _write_pool(self, payload: torch.Tensor, block_id: int) -> None:
+    def write_block(self, payload: torch.Tensor, block_id: int) -> None:
+        """Copy a payload into block `block_id` of every layer; BlockLoadError when its dtype
+        or shape is not this engine's."""
         dtype, shape = self._expected()
         if payload.dtype != dtype or tuple(payload.shape) != shape:
             raise BlockLoadError(
@@ -106,6 +120,22 @@ class OffloadStore:
         except (RuntimeError, ValueError, TypeError) as exc:
             raise BlockLoadError(f"payload does not match its header: {exc}") from exc
 
+    def holds(self, key: str) -> bool:
+        """Whether host memory or the directory holds `key` (thread-safe, as `lookup`)."""
+        return key in self.host or (self.disk_dir is not None and self._path(key).exists())
+
+    def lookup(self, key: str) -> torch.Tensor | None:
+        """The stored payload of `key` (host memory, then its file), or None. Safe from
+        another thread beside the worker's plans: a dict read, or a file read that fails
+        cleanly when the file is being replaced or removed."""
+        payload = self.host.get(key)
+        if payload is not None or self.disk_dir is None:
+            return payload
+        try:
+            return self._read_file(key)
+        except BlockLoadError:
+            return None
+
     def _remove(self, key: str) -> None:
         self.host.pop(key, None)
         if self.disk_dir is not None:
@@ -119,6 +149,7 @@ class OffloadStore:
         """Read the plan's blocks into the pools; a failure marks the block and drops the
         key from every tier."""
         for key, block_id, tier in plan.loads:
+            started = time.perf_counter()
             try:
                 if tier == "cpu":
                     payload = self.host.get(key)
@@ -126,25 +157,41 @@ class OffloadStore:
                         raise BlockLoadError("not in host memory")
                 else:
                     payload = self._read_file(key)
-                self._write_pool(payload, block_id)
+                self.write_block(payload, block_id)
+                self._count("loaded", tier, started)
             except BlockLoadError as exc:
                 logger.warning("KV block %s (%s tier) failed to load: %s", key[:16], tier, exc)
                 self.failed_blocks.add(block_id)
+                self.stats[f"failed_loads@{tier}"] += 1
                 self._remove(key)
 
     def save(self, plan: OffloadPlan) -> None:
         """Copy the plan's blocks to host memory, then apply its tier moves."""
         for key, block_id in plan.saves:
-            self.host[key] = self._payload(block_id)
+            started = time.perf_counter()
+            self.host[key] = self.payload_of(block_id)
+            self._count("saved", "cpu", started)
         for move, key in plan.moves:
             if move == "demote":
+                started = time.perf_counter()
                 payload = self.host.pop(key, None)
                 if payload is not None and self.disk_dir is not None:
                     self._write_file(key, payload)
+                    self._count("saved", "disk", started)
+            elif move == "write":
+                started = time.perf_counter()
+                payload = self.host.get(key)
+                if payload is not None and self.disk_dir is not None:
+                    self._write_file(key, payload)
+                    self._count("saved", "disk", started)
             elif move == "drop_cpu":
                 self.host.pop(key, None)
             else:
                 self._path(key).unlink(missing_ok=True)
+
+    def take_stats(self) -> dict[str, float]:
+        stats, self.stats = dict(self.stats), defaultdict(float)
+        return stats
 
     def take_failures(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()

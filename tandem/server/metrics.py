@@ -75,6 +75,19 @@ ENGINE_COUNTERS = {
         "spec_decode_num_accepted_tokens",
         "Number of accepted tokens.",
     ),
+    # a KV connector in the stack (docs/kv-connectors.md)
+    "kv_connector_external_hit_tokens": (
+        "kv_connector_external_hit_tokens",
+        "Prompt tokens the KV connector supplied instead of their computation.",
+    ),
+    "kv_connector_failed_load_blocks": (
+        "kv_connector_failed_load_blocks",
+        "KV blocks whose connector load failed (recomputed).",
+    ),
+    "kv_connector_rolled_back_requests": (
+        "kv_connector_rolled_back_requests",
+        "Requests rolled back to their last good block after a failed KV load.",
+    ),
     # recorded by the front end (AsyncLLM), which restarts a dead engine core
     "engine_core_restarts": (
         "engine_core_restarts",
@@ -82,6 +95,17 @@ ENGINE_COUNTERS = {
     ),
 }
 PER_POS_KEY = "spec_decode_num_accepted_tokens_per_pos"
+#: `kv_connector_transfers` (the connector worker's counters, `COUNTER[@TIER]`) -> counter
+#: with a `tier` label (`all` for a counter without a tier). Other names stay in
+#: engine_stats only.
+TRANSFERS_KEY = "kv_connector_transfers"
+KV_TRANSFER_COUNTERS = {
+    "loaded_tokens": "Tokens the KV connector loaded into the pool.",
+    "saved_tokens": "Tokens the KV connector saved from the pool.",
+    "load_seconds": "Wall time the worker spent loading KV (the load phase of each step).",
+    "save_seconds": "Wall time the worker spent saving KV (the save phase of each step).",
+    "failed_loads": "KV block loads the connector reported failed.",
+}
 #: Finish reasons every engine's request_success counter shows from the start.
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -127,6 +151,10 @@ class PrometheusStatLogger:
         self._accepted_per_pos = self._metric(
             Counter, PER_POS_KEY, "Accepted tokens per draft position.", ("position",)
         )
+        self._kv_transfers = {
+            name: self._metric(Counter, f"kv_connector_{name}", doc, ("tier",))
+            for name, doc in KV_TRANSFER_COUNTERS.items()
+        }
         self._prompt_tokens = self._metric(Counter, "prompt_tokens", "Prefill tokens processed.")
         self._generation_tokens = self._metric(
             Counter, "generation_tokens", "Generation tokens processed."
@@ -225,6 +253,11 @@ class PrometheusStatLogger:
         for position, value in enumerate(stats.get(PER_POS_KEY) or ()):
             child = self._accepted_per_pos.labels(*labels, str(position))
             self._increase(child, (engine_index, PER_POS_KEY, position), value)
+        for key, value in (stats.get(TRANSFERS_KEY) or {}).items():
+            name, _, tier = key.partition("@")
+            if name in self._kv_transfers:
+                child = self._kv_transfers[name].labels(*labels, tier or "all")
+                self._increase(child, (engine_index, TRANSFERS_KEY, key), value)
         for seconds in stats.get("request_queue_time_s") or ():
             self._queue_time.labels(*labels).observe(seconds)
         for seconds in stats.get("grammar_compile_time_s") or ():

@@ -73,6 +73,18 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "default 3)",
     )
     parser.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="prefill/decode disaggregation: a prefill server and a decode server (kv-disagg) "
+        "behind one endpoint, with a proxy (docs/disaggregated-serving.md)",
+    )
+    parser.add_argument(
+        "--kv-port",
+        type=int,
+        default=0,
+        help="--disaggregated: the prefill server's KV block port (default: a free port)",
+    )
+    parser.add_argument(
         "--stream-buffer-size",
         type=int,
         default=1024,

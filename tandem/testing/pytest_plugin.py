@@ -1,5 +1,6 @@
 """pytest plugin `tandem`: fixtures for testing tandem plugins against the reference engine,
-and the plugin conformance suite as pytest items.
+and the plugin conformance suite as pytest items (the KV-connector conformance items,
+`--tandem-kv-connector-conformance NAME`: `tandem.testing.kv_conformance.pytest_items`).
 
 Registered under the `pytest11` entry point, so it is active wherever tandem is installed
 (`-p tandem` loads it explicitly, e.g. with `PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`).
@@ -62,6 +63,8 @@ from typing import Any
 
 import pytest
 
+from tandem.testing.kv_conformance import pytest_items as kv_items
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("tandem", "tandem plugin conformance")
@@ -95,6 +98,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run the tandem conformance checks on a whole stack file (its plugins, in "
         "order, with their options); repeatable",
     )
+    kv_items.add_options(group)
     group.addoption(
         "--tandem-conformance-options",
         action="append",
@@ -177,6 +181,7 @@ def pytest_configure(config: pytest.Config) -> None:
     from tandem.testing.doubles import register_test_plugins
 
     register_test_plugins()  # the doubles resolve by name in every session (idempotent)
+    kv_items.check_options(config)
     if config.getoption("tandem_conformance_stack", None):
         _conformance_stacks(config)  # usage errors before anything runs
     elif config.getoption("tandem_conformance", None):
@@ -190,10 +195,7 @@ class ConformanceItem(pytest.Item):
         self, *, plugin: Any, check: str, mode: str, options: dict[str, Any], **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
-        self.plugin = plugin
-        self.check = check
-        self.mode = mode
-        self.options = options
+        self.plugin, self.check, self.mode, self.options = plugin, check, mode, options
 
     def runtest(self) -> None:
         from tandem.testing.conformance import CheckNotApplicable, check_conformance
@@ -234,8 +236,7 @@ class ConformanceSuite(pytest.Collector):
 
     def __init__(self, *, plugin: Any, options: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.plugin = plugin  # a plugin name, or a StackUnderTest
-        self.options = options
+        self.plugin, self.options = plugin, options  # plugin: a name, or a StackUnderTest
 
     def collect(self) -> list[pytest.Item]:
         from tandem.testing.conformance import CHECKS, MODES, NOT_APPLICABLE, scheduler_kind
@@ -266,10 +267,7 @@ class GrammarConformanceItem(pytest.Item):
 
     def __init__(self, *, backend: str, case: str, mode: str, corpus: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.backend = backend
-        self.case = case
-        self.mode = mode
-        self.corpus = corpus
+        self.backend, self.case, self.mode, self.corpus = backend, case, mode, corpus
 
     def runtest(self) -> None:
         from tandem.testing.grammar_conformance import check_grammar_case
@@ -293,8 +291,7 @@ class GrammarConformanceSuite(pytest.Collector):
 
     def __init__(self, *, backend: str, corpus: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.backend = backend
-        self.corpus = corpus
+        self.backend, self.corpus = backend, corpus
 
     def collect(self) -> list[pytest.Item]:
         from tandem.testing.grammar_conformance import CORPORA, MODES
@@ -329,6 +326,7 @@ def pytest_collection_modifyitems(
             report=pytest.CollectReport(node, "passed", None, collected)
         )
         items.extend(collected)
+    items.extend(kv_items.collect_items(session, config))
     names = config.getoption("tandem_conformance")
     stacks = _conformance_stacks(config) if config.getoption("tandem_conformance_stack") else []
     if not names and not stacks:

@@ -73,7 +73,10 @@ def _run(model: Path, seed: int, plugins: list[Any], **kw: Any) -> tuple[list[li
         llm.engine.shutdown()
 
 
-def _check(model: Path, seed: int, executor: str, async_scheduling: bool) -> dict[str, Any]:
+def _check(
+    model: Path, seed: int, executor: str, async_scheduling: bool, load_async: bool | None = None
+) -> dict[str, Any]:
+    """`load_async` (default: odd seeds): loads before admission, WAITING_FOR_REMOTE_KVS."""
     kw = {"executor": executor, "async_scheduling": async_scheduling}
     expected, _ = _run(model, seed, BASE, **kw)
     rng = random.Random(seed)
@@ -82,6 +85,7 @@ def _check(model: Path, seed: int, executor: str, async_scheduling: bool) -> dic
         "fail_load_fraction": rng.uniform(0.05, 0.3),
         "lose_save_fraction": rng.uniform(0.0, 0.2),
         "seed": seed,
+        "load_async": bool(seed % 2) if load_async is None else load_async,
     }
     faulty = FaultyOffloadConnector if executor in ("inprocess", "thread") else FAULTY
     tokens, stats = _run(model, seed, [*BASE, (faulty, faults)], **kw)
@@ -101,6 +105,18 @@ def test_faulty_store_never_changes_outputs(
         for key in totals:
             totals[key] += stats[key]
     assert totals["external_hit_tokens"] > 0, "the workloads must load from the store"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("executor", ["thread", "mp"])
+def test_faulty_asynchronous_loads_never_change_outputs(
+    tiny: Path, executor: str, async_scheduling: bool
+) -> None:
+    seeds = (4, 5, 6) if executor == "thread" else (4,)
+    runs = [_check(tiny, seed, executor, async_scheduling, load_async=True) for seed in seeds]
+    assert sum(stats["external_hit_tokens"] for stats in runs) > 0
+    if executor == "thread":
+        assert sum(stats["failed_load_blocks"] for stats in runs) > 0
 
 
 def test_the_faults_do_fail_loads(tiny: Path) -> None:

@@ -161,3 +161,32 @@ def test_the_cli_flag_carries_kv_transfer_config() -> None:
     assert _overrides(args)["kv_transfer_config"]["kv_connector"] == "OffloadingConnector"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--kv-transfer-config", "[1]", "hi"])
+
+
+def test_transfer_counters_reach_stats_metrics_and_the_trace(tiny: Path, tmp_path: Path) -> None:
+    """Per-tier tokens and seconds from the worker sum into `kv_connector_transfers`, become
+    `tandem:kv_connector_*{tier}` counters, and each step's phases are `kv` lane spans."""
+    from tandem.plugins.tracing import StepTracer, enable_tracing
+    from tandem.server.metrics import PrometheusStatLogger
+
+    llm = _engine(tiny, {"cpu_blocks": 2, "disk_path": str(tmp_path / "kv")})
+    tracer = StepTracer()
+    enable_tracing(llm.engine, tracer)
+    tokens, stats = _generate(llm)
+    transfers = stats["kv_connector_transfers"]
+    loaded = transfers.get("loaded_tokens@cpu", 0) + transfers.get("loaded_tokens@disk", 0)
+    assert loaded == stats["kv_connector_external_hit_tokens"] > 0
+    assert transfers["saved_tokens@cpu"] > 0 and transfers["saved_tokens@disk"] > 0
+    assert transfers["load_seconds"] > 0 and transfers["save_seconds"] > 0
+    kv_spans = [s for s in tracer.spans if s.lane == "kv"]
+    assert {s.name for s in kv_spans} == {"kv load", "forward", "kv save"}
+    assert all(s.end >= s.start for s in kv_spans)
+
+    logger = PrometheusStatLogger("m")
+    logger.record(0, stats, None)
+    text = logger.render().decode()
+    saved = transfers["saved_tokens@disk"]
+    labels = 'engine="0",model_name="m"'
+    assert f'tandem:kv_connector_saved_tokens_total{{{labels},tier="disk"}} {saved:.1f}' in text
+    hits = stats["kv_connector_external_hit_tokens"]
+    assert f"tandem:kv_connector_external_hit_tokens_total{{{labels}}} {hits:.1f}" in text

@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: the `kv-disagg` connector and its block transport."""

@@ -12,14 +12,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tandem.core.entry_points import plugin_entry_points
 from tandem.core.hookspecs import PROJECT
 from tandem.core.plugin_manager import (
     PluginConfigError,
     capability,
     implemented_hooks,
+    import_class,
     stack_entry,
 )
-from tandem.kv.connector import KVConnectorSchedulerSpecs, KVConnectorWorkerSpecs
+from tandem.kv.connector import (
+    KV_CONNECTOR_ALIASES,
+    KVConnectorSchedulerSpecs,
+    KVConnectorWorkerSpecs,
+)
 from tandem.schema.config import ConfigError, EngineConfig, PluginSpec, class_path
 
 logger = logging.getLogger("tandem.kv_multi")
@@ -68,8 +74,6 @@ class ConnectorSpec(BaseModel):
 
     def plugin_name(self) -> str:
         """The child's plugin name, vLLM's class names translated (`KV_CONNECTOR_ALIASES`)."""
-        from tandem.config_resolution import KV_CONNECTOR_ALIASES
-
         name = self.name if self.name is not None else self.kv_connector
         assert name is not None
         return KV_CONNECTOR_ALIASES.get(name, name)
@@ -97,15 +101,36 @@ class Child:
         return function(**{n: kwargs[n] for n in argnames if n in kwargs})
 
 
+def _load_class(name: str, where: str) -> type:
+    """A plugin class by entry-point name or `module:Class` (the front door's resolver, which
+    also knows names registered in-process, replaces this: `ChildResolver`)."""
+    for entry_point in plugin_entry_points():
+        if entry_point.name == name:
+            return entry_point.load()
+    if ":" in name:
+        return import_class(name)
+    raise PluginConfigError(f"{where}: no plugin named {name!r}")
+
+
+@dataclass(slots=True)
+class ChildResolver:
+    """How children are found and checked. Plugins sit below the front door and may not
+    import it, so `tandem.config_resolution` installs its own plugin lookup and signature
+    check here (`resolver`); without it, entry points and `module:Class` paths only."""
+
+    load_class: Callable[[str, str], type] = _load_class
+    check_signatures: Callable[[type, PluginSpec, str], None] = lambda cls, spec, where: None
+
+
+resolver = ChildResolver()
+
+
 def build_child(config: EngineConfig, spec: ConnectorSpec, where: str) -> Child:
     """Child `where` built from `spec`: a KV-connector plugin other than kv-multi, its
     options validated by its `Options` model and its hook signatures checked as the
     resolver checks a stack's plugins; errors are `PluginConfigError`s naming `where`."""
-    from tandem.plugin_discovery import load_plugin_class
-    from tandem.stack_checks import check_signatures
-
     name = spec.plugin_name()
-    cls = load_plugin_class(name, f"{where}.name")
+    cls = resolver.load_class(name, f"{where}.name")
     if getattr(cls, "contains_connectors", False):
         raise PluginConfigError(f"{where}.name: {name!r}: kv-multi cannot contain itself")
     if capability(cls, "role") != "kv-connector":
@@ -114,7 +139,7 @@ def build_child(config: EngineConfig, spec: ConnectorSpec, where: str) -> Child:
         )
     plugin_spec = PluginSpec(name=name, options=spec.plugin_options())
     entry = stack_entry(cls, plugin_spec, where)
-    check_signatures(cls, plugin_spec, where)
+    resolver.check_signatures(cls, plugin_spec, where)
     try:
         instance = cls(config, entry.options)
     except ConfigError:

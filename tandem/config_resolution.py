@@ -30,7 +30,9 @@ from tandem.core.plugin_manager import (
 )
 from tandem.core.worker.model_loader import model_loader_for
 from tandem.core.worker.threads import resolve_worker_threads
+from tandem.kv.connector import KV_CONNECTOR_ALIASES
 from tandem.plugin_discovery import load_plugin_class, loadable_plugins
+from tandem.plugins import kv_multi_children
 from tandem.schema.config import ConfigError, EngineConfig, PluginSpec, class_path, with_line
 from tandem.schema.diffusion_config import DiffusionConfig
 from tandem.stack_checks import check_exclusive_seams, check_signatures
@@ -261,10 +263,6 @@ def _check_process_paths(config: EngineConfig, stack: ResolvedStack) -> None:
             )
 
 
-#: vLLM connector class names with a bundled tandem equivalent (`kv_transfer.kv_connector`).
-KV_CONNECTOR_ALIASES = {"OffloadingConnector": "kv-offload", "MultiConnector": "kv-multi"}
-
-
 def _base_entries(config: EngineConfig, source: str) -> list[StackEntry]:
     """The named (or default) stack's entries: classes found, options validated; then the
     connector `kv_transfer` names, if any."""
@@ -435,3 +433,7 @@ def resolve_config(config: EngineConfig, executor_supports_async: bool = True) -
         if (flag := capability(cls, "attached_by")) and getattr(config, flag, False)
     ]
     return config
+
+
+# kv-multi finds and checks its children as this resolver does (plugins may not import it)
+kv_multi_children.resolver = kv_multi_children.ChildResolver(load_plugin_class, check_signatures)

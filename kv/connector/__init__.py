@@ -8,4 +8,12 @@ kernel's request type: hooks receive the caller's objects."""
 from tandem.kv.connector.hookspecs import KVConnectorSchedulerSpecs, KVConnectorWorkerSpecs
 from tandem.kv.connector.output import KVConnectorOutput
 
-__all__ = ["KVConnectorOutput", "KVConnectorSchedulerSpecs", "KVConnectorWorkerSpecs"]
+#: vLLM connector class names with a bundled tandem equivalent (`kv_transfer.kv_connector`).
+KV_CONNECTOR_ALIASES = {"OffloadingConnector": "kv-offload", "MultiConnector": "kv-multi"}
+
+__all__ = [
+    "KV_CONNECTOR_ALIASES",
+    "KVConnectorOutput",
+    "KVConnectorSchedulerSpecs",
+    "KVConnectorWorkerSpecs",
+]

@@ -179,7 +179,16 @@ def _start_child(argv: list[str], port: int, transfer: dict[str, Any]) -> subpro
     command = [sys.executable, "-c", "from tandem.cli import main; raise SystemExit(main())"]
     command += ["serve", *argv, "--host", "127.0.0.1", "--port", str(port)]
     command += ["--kv-transfer-config", json.dumps(transfer)]
-    return subprocess.Popen(command, start_new_session=True)
+    return subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the parent dies, however it dies (Linux `prctl`), so a
+    killed proxy never leaves its servers behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _wait_healthy(children: list[tuple[subprocess.Popen, str]], timeout_s: float) -> None:
@@ -236,8 +245,9 @@ def run_disaggregated(args: argparse.Namespace, argv: Sequence[str]) -> int:
         for child in children:
             if child.poll() is None:
                 os.killpg(child.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 8  # within the 10 s a supervisor usually grants
         for child in children:
             try:
-                child.wait(timeout=30)
+                child.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 os.killpg(child.pid, signal.SIGKILL)

@@ -9,14 +9,13 @@ import random
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from tandem import LLM, SamplingParams
 from tandem.server.disagg import child_argv, prefill_body
 from tandem.testing.tiny_model import save_tiny_model
 from tests.server.e2e_helpers import metric_values, running_server, token_ids
-
-openai = pytest.importorskip("openai")
 
 KEY = "disagg-key"
 

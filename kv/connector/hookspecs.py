@@ -57,7 +57,10 @@ class KVConnectorSchedulerSpecs:
         """The request was admitted with `num_external_tokens` from the connector:
         `block_ids` are all its blocks in token order; the external tokens occupy the
         blocks right after its local hit. Called after every admission, with 0 when the
-        connector supplies nothing (a saving connector then learns the request's blocks)."""
+        connector supplies nothing (a saving connector then learns the request's blocks).
+        For an asynchronous load the request is in WAITING_FOR_REMOTE_KVS, `block_ids`
+        cover every known token, and the hook is called again, with 0, when the request is
+        admitted after its load."""
 
     @hookspec(firstresult=True)
     def build_connector_meta(self, scheduler_output: Any) -> Any | None:

@@ -38,6 +38,8 @@ from tandem.models.decoder_elementwise import (
 from tandem.models.linear_choice import Linear, cpu_bf16_linear, cpu_f32_linear
 from tandem.models.packed_linear import PackedLinear
 from tandem.models.paged_attention import PagedAttentionMetadata, paged_attention
+from tandem.models.quant_linear import LinearQuantization, QuantLinear
+from tandem.models.quantized_weight import QuantizedWeight
 from tandem.models.tensor_parallel import (
     VocabParallelEmbedding,
     kv_heads_per_rank,
@@ -105,11 +107,22 @@ def fused_linear(weight: torch.Tensor, bias: torch.Tensor | None, bf16_cpu: bool
     return _linear(weight, bias, True, bf16_cpu)
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None, fresh: bool, bf16_cpu: bool) -> Linear:
+def _linear(
+    weight: torch.Tensor | QuantizedWeight,
+    bias: torch.Tensor | None,
+    fresh: bool,
+    bf16_cpu: bool,
+    quant: LinearQuantization | None = None,
+) -> Linear:
     """The layer's linear over `weight` (`fresh`: a new tensor, not a view of the HF
-    parameter): bfloat16 on CPU -> `cpu_bf16_linear` (float32 in and out); float32 on CPU
-    -> the panel kernel (`cpu_f32_linear`) where it builds; else a `PackedLinear` owning
-    its weight."""
+    parameter): a quantized weight (a GGUF's, kept) or a CPU weight under `quant.at_load`
+    -> `QuantLinear`; bfloat16 on CPU -> `cpu_bf16_linear` (float32 in and out); float32
+    on CPU -> the panel kernel (`cpu_f32_linear`) where it builds; else a `PackedLinear`
+    owning its weight."""
+    if isinstance(weight, QuantizedWeight):
+        return QuantLinear(weight, bias)
+    if quant is not None and quant.at_load and weight.device.type == "cpu":
+        return QuantLinear(quant.quantize(weight), bias)
     if bf16_cpu:
         return cpu_bf16_linear(weight, bias)
     panel = cpu_f32_linear(weight, bias)
@@ -123,7 +136,30 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, fresh: bool, bf16_c
 _Part = tuple[str, tuple[int, int]]
 
 
-def _column_linear(weights: WeightSource, parts: list[_Part], bf16_cpu: bool) -> Linear:
+def _fuse_rows(parts: list[Any]) -> torch.Tensor | QuantizedWeight:
+    """Weights stacked by rows: quantized ones of one format stay quantized; a mix (a GGUF
+    whose Q and K differ in type) is dequantized to float32."""
+    formats = {(p.bits, p.group_size) for p in parts if isinstance(p, QuantizedWeight)}
+    if len(formats) == 1 and all(isinstance(p, QuantizedWeight) for p in parts):
+        return QuantizedWeight.cat(parts)
+    if any(isinstance(p, QuantizedWeight) for p in parts):
+        parts = [p.dequantize() if isinstance(p, QuantizedWeight) else p.float() for p in parts]
+    return torch.cat(parts)
+
+
+def _zeros_like_rows(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """A zero bias for `weight`'s rows (float32 for a quantized weight)."""
+    if isinstance(weight, QuantizedWeight):
+        return torch.zeros(weight.shape[0])
+    return weight.new_zeros(weight.shape[0])
+
+
+def _column_linear(
+    weights: WeightSource,
+    parts: list[_Part],
+    bf16_cpu: bool,
+    quant: LinearQuantization | None = None,
+) -> Linear:
     """Column-parallel linears fused into one: this rank's rows of each weight, concatenated,
     and of each bias (zeros for a linear without one; None when none has a bias)."""
     weight_parts = [weights.rows(f"{name}.weight", *block) for name, block in parts]
@@ -133,21 +169,28 @@ def _column_linear(weights: WeightSource, parts: list[_Part], bf16_cpu: bool) ->
             [
                 weights.rows(f"{name}.bias", *block)
                 if weights.has(f"{name}.bias")
-                else weight.new_zeros(weight.shape[0])
+                else _zeros_like_rows(weight)
                 for (name, block), weight in zip(parts, weight_parts, strict=True)
             ]
         )
-    return _linear(torch.cat(weight_parts), bias, True, bf16_cpu)
+    return _linear(_fuse_rows(weight_parts), bias, True, bf16_cpu, quant)
 
 
-def _row_linear(weights: WeightSource, name: str, rank: int, size: int, bf16_cpu: bool) -> Linear:
+def _row_linear(
+    weights: WeightSource,
+    name: str,
+    rank: int,
+    size: int,
+    bf16_cpu: bool,
+    quant: LinearQuantization | None = None,
+) -> Linear:
     """Row-parallel: this rank's columns of the weight; the bias (a copy: Llama's
     `attention_bias` / `mlp_bias`) on rank 0 only, as the ranks' partial sums are summed."""
     bias = None
     if rank == 0 and weights.has(f"{name}.bias"):
         bias = _owned(weights.rows(f"{name}.bias"))
     fresh = size > 1 or not weights.views
-    return _linear(weights.cols(f"{name}.weight", rank, size), bias, fresh, bf16_cpu)
+    return _linear(weights.cols(f"{name}.weight", rank, size), bias, fresh, bf16_cpu, quant)
 
 
 def _norm(weights: WeightSource, name: str, dtype: torch.dtype | None) -> torch.Tensor | None:
@@ -161,6 +204,7 @@ def _take_layer(
     bf16_cpu: bool = False,
     tp: RankInfo | None = None,
     hf_config: Any = None,
+    quant: LinearQuantization | None = None,
 ) -> _Layer:
     """The fused layer built from `weights`: the HF layer's own (`ModuleWeights`; the caller
     then releases them, see the module doc) or the checkpoint's (`CheckpointLayer`).
@@ -176,10 +220,10 @@ def _take_layer(
     with torch.no_grad():
         return _Layer(
             layer_idx=layer_idx,
-            qkv=_column_linear(weights, qkv, bf16_cpu),
-            o=_row_linear(weights, "self_attn.o_proj", r, n, bf16_cpu),
-            gate_up=_column_linear(weights, gate_up, bf16_cpu),
-            down=_row_linear(weights, "mlp.down_proj", r, n, bf16_cpu),
+            qkv=_column_linear(weights, qkv, bf16_cpu, quant),
+            o=_row_linear(weights, "self_attn.o_proj", r, n, bf16_cpu, quant),
+            gate_up=_column_linear(weights, gate_up, bf16_cpu, quant),
+            down=_row_linear(weights, "mlp.down_proj", r, n, bf16_cpu, quant),
             ln_in=_owned(weights.rows("input_layernorm.weight"), norm_dtype),
             ln_post=_owned(weights.rows("post_attention_layernorm.weight"), norm_dtype),
             q_norm=_norm(weights, "self_attn.q_norm.weight", norm_dtype),
@@ -212,6 +256,7 @@ class FusedDecoder:
         stage: range | None = None,
         link: PipelineLink | None = None,
         checkpoint: CheckpointShards | None = None,
+        quant: LinearQuantization | None = None,
     ) -> None:
         """`tp`: this rank's place when the layers are split (`tensor_parallel`); its
         heads are `num_attention_heads / tp_size` and `num_key_value_heads / tp_size`.
@@ -221,7 +266,9 @@ class FusedDecoder:
         Layers outside the stage are released, and local layer i attends with KV pool i.
         `checkpoint`: the layers and the embedding's vocabulary rows are read from the files
         (`checkpoint_shards`), not taken from the HF modules (then a skeleton: meta
-        parameters but for the modules the rank keeps, see `hf_model`)."""
+        parameters but for the modules the rank keeps, see `hf_model`); a GGUF's reader
+        (`gguf_weights.GGUFShards`) gives quantized weights. `quant`: `model.quantization`
+        (`int8` / `int4` quantize float weights as each layer is built)."""
         model = causal_lm.model
         names = {module: name for name, module in causal_lm.named_modules()}
         cfg = causal_lm.config
@@ -264,7 +311,7 @@ class FusedDecoder:
                 if checkpoint is not None
                 else ModuleWeights(hf_layer)
             )
-            self.layers.append(_take_layer(i, weights, self.bf16_cpu, tp, cfg))
+            self.layers.append(_take_layer(i, weights, self.bf16_cpu, tp, cfg, quant))
             release_parameters(hf_layer.modules())
         release_parameters(
             m for j, layer in enumerate(model.layers) if j not in stage for m in layer.modules()

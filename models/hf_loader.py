@@ -4,13 +4,29 @@ Registered as the `hf` kind in the `tandem.model_loaders` entry-point group."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tandem.core.worker.model_loader import HF_KIND
 from tandem.schema.config import ConfigError, EngineConfig
 
 if TYPE_CHECKING:
     from tandem.core.worker.model_runner import StepModel
+
+
+def linear_quantization(config: EngineConfig, device: Any) -> Any:
+    """`model.quantization` for a model on `device`: `int8` / `int4` run on the CPU only
+    (`ConfigError` naming the field elsewhere); `auto` keeps GGUF weights quantized on the
+    CPU and means `none` on other devices."""
+    from tandem.models.quant_linear import LinearQuantization
+
+    mode = config.model.quantization
+    if mode in ("int8", "int4") and device.type != "cpu":
+        raise ConfigError(
+            f"model.quantization: {mode} runs on the CPU; the model runs on {device.type} "
+            "(use quantization: none there)"
+        )
+    mode = mode if device.type == "cpu" else "none"
+    return LinearQuantization(mode, config.model.quantization_group_size)
 
 
 class HFModelLoader:
@@ -110,4 +126,5 @@ class HFModelLoader:
             device=device,
             decode_kernel=paged_decode_kernel() if use_kernel else None,
             layer_partition=config.parallel.pp_layer_partition,
+            quantization=linear_quantization(config, device),
         )

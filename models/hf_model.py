@@ -24,6 +24,7 @@ from tandem.core.worker.pipeline import PipelineLink, stage_layers
 from tandem.models.checkpoint_shards import CheckpointShards, checkpoint_bytes, safetensors_files
 from tandem.models.cpu_kernels import KERNEL_POOL_DTYPES, PagedDecodeKernel
 from tandem.models.fused_decoder import FusedDecoder, float32_compute, fused_linear
+from tandem.models.gguf_weights import GGUFShards, gguf_source
 from tandem.models.linear_choice import Linear, cpu_bf16_linear, cpu_f32_linear
 from tandem.models.model_dtype import (  # noqa: F401 - re-exported
     DTYPES,
@@ -32,6 +33,7 @@ from tandem.models.model_dtype import (  # noqa: F401 - re-exported
 )
 from tandem.models.packed_linear import PackedLinear
 from tandem.models.paged_attention import ATTENTION_NAME, build_metadata
+from tandem.models.quant_linear import LinearQuantization, QuantEmbedding, QuantLinear
 from tandem.models.tensor_parallel import check_divisible, kv_heads_per_rank, vocab_shard
 from tandem.models.weight_release import own_remaining_parameters, release_parameters
 
@@ -88,6 +90,18 @@ def _take_lm_head(causal_lm: torch.nn.Module) -> PackedLinear | Linear:
     return packed if packed.packed is not None else _plain_lm_head(causal_lm)
 
 
+def _take_quantized_lm_head(causal_lm: torch.nn.Module, quant: LinearQuantization) -> Linear:
+    """`model.quantization` int8 / int4: the LM head quantized (`quant.quantize_head`); an
+    untied head's parameter is released, a tied one stays the embedding's float table."""
+    head = causal_lm.lm_head
+    tied = head.weight is causal_lm.get_input_embeddings().weight
+    linear = QuantLinear(quant.quantize_head(head.weight), head.bias)
+    if not tied:
+        release_parameters([head])
+    own_remaining_parameters(causal_lm)
+    return linear
+
+
 def _lm_head_rows(
     causal_lm: torch.nn.Module, rank: RankInfo, checkpoint: CheckpointShards | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -140,13 +154,17 @@ def _skeleton(model_dir: Path, dtype: torch.dtype, device: torch.device) -> torc
 
 
 def _read_kept_modules(
-    causal_lm: torch.nn.Module, checkpoint: CheckpointShards, rank: RankInfo
+    causal_lm: torch.nn.Module,
+    checkpoint: CheckpointShards,
+    rank: RankInfo,
+    skip: tuple[torch.nn.Module, ...] = (),
 ) -> None:
     """Real parameters, read whole, for the skeleton's modules this rank keeps as they are:
     the final norm on the last stage; with one tensor-parallel rank, the embedding on the
     first stage and the LM head on the last (the embedding itself when tied). With more,
     the fused decoder and the LM head read their own vocabulary rows; the layers are read
-    by the fused decoder."""
+    by the fused decoder. Modules in `skip` are left as they are (a GGUF's quantized
+    embedding and head, `_read_quantized_table`)."""
     first, last = rank.pp_rank == 0, rank.pp_rank == rank.pp_size - 1
     embedding, head = causal_lm.get_input_embeddings(), causal_lm.lm_head
     tied = head.weight is embedding.weight
@@ -156,12 +174,58 @@ def _read_kept_modules(
     if rank.tp_size == 1 and last and not tied:
         keep.append(head)
     names = {module: name for name, module in causal_lm.named_modules()}
-    for module in keep:
+    for module in (m for m in keep if m not in skip):
         for attr, _ in list(module.named_parameters(recurse=False)):
             tensor = checkpoint.rows(f"{names[module]}.{attr}")
             setattr(module, attr, torch.nn.Parameter(tensor, requires_grad=False))
     if tied:
         head.weight = embedding.weight
+
+
+def _read_quantized_table(
+    causal_lm: torch.nn.Module, shards: GGUFShards, rank: RankInfo
+) -> QuantLinear | None:
+    """One rank over a GGUF: the embedding and the LM head, where their tensors are of kept
+    types, quantized (the embedding a `QuantEmbedding` over the head's table when tied;
+    the rest is read as float by `_read_kept_modules`). Returns the quantized LM head, or
+    None (the head stays float)."""
+    embedding, head = causal_lm.get_input_embeddings(), causal_lm.lm_head
+    tied = head.weight is embedding.weight
+    names = {module: name for name, module in causal_lm.named_modules()}
+    table_name, head_name = f"{names[embedding]}.weight", f"{names[head]}.weight"
+    one_rank = rank.tp_size == 1 and rank.pp_size == 1
+    quantized_table = one_rank and shards.is_quantized(table_name)
+    quantized_head = one_rank and (quantized_table if tied else shards.is_quantized(head_name))
+    skip = ((embedding,) if quantized_table else ()) + ((head,) if quantized_head else ())
+    _read_kept_modules(causal_lm, shards.floats, rank, skip)
+    table = QuantLinear(shards.quantized(table_name)) if quantized_table else None
+    if table is not None:
+        causal_lm.set_input_embeddings(QuantEmbedding(table, embedding.weight.dtype))
+    if not quantized_head:
+        return None
+    if tied:
+        return table
+    bias = shards.floats.rows(f"{names[head]}.bias") if head.bias is not None else None
+    return QuantLinear(shards.quantized(head_name), bias)
+
+
+def _load_gguf_kept(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, rank: RankInfo
+) -> tuple[torch.nn.Module, GGUFShards, QuantLinear | None] | None:
+    """A GGUF-converted directory on the CPU: a skeleton whose layers (and, on one rank, the
+    embedding and LM head) come quantized from the GGUF (`gguf_weights`), the rest as float
+    from the converted copy. None when the directory records no GGUF or nothing in it is
+    of a kept type."""
+    source = gguf_source(model_dir)
+    if source is None or device.type != "cpu" or not safetensors_files(model_dir):
+        return None
+    skeleton = _skeleton(model_dir, dtype, device)
+    names = list(skeleton.state_dict(keep_vars=True))
+    shards = GGUFShards(source, CheckpointShards(model_dir, dtype, device), skeleton.config, names)
+    if not shards.kept_types:
+        return None
+    head = _read_quantized_table(skeleton, shards, rank)
+    return skeleton, shards, head
 
 
 def _load_causal_lm(
@@ -213,6 +277,7 @@ class HFStepModel:
         fused: bool = True,
         decode_kernel: PagedDecodeKernel | None = None,
         layer_partition: list[int] | None = None,
+        quantization: LinearQuantization | None = None,
     ) -> None:
         """`decode_kernel` (CPU, float32 or bfloat16) attends decodes in place; the key pools
         are then laid out for it, transposed per block. bfloat16 on CPU keeps weights and
@@ -224,8 +289,25 @@ class HFStepModel:
         #: This rank's place; with more than one tensor-parallel rank every layer, the KV
         #: pool and the LM head hold this rank's shard (`tensor_parallel`).
         self.rank = parallel_state.current()
+        quant = quantization or LinearQuantization()
+        #: The LM head kept quantized from a GGUF (None: built from the HF head).
+        self._gguf_head: QuantLinear | None = None
         with quiet_loading():
-            self.model, checkpoint = _load_causal_lm(model_dir, dtype, device, self.rank)
+            kept = (
+                _load_gguf_kept(model_dir, dtype, device, self.rank) if quant.keeps_gguf else None
+            )
+            if kept is not None:
+                self.model, checkpoint, self._gguf_head = kept
+            else:
+                self.model, checkpoint = _load_causal_lm(model_dir, dtype, device, self.rank)
+        #: Which weights are quantized, as `model.quantization` resolved for this model.
+        self.quantization = (
+            "gguf:" + ",".join(sorted(checkpoint.kept_types))
+            if isinstance(checkpoint, GGUFShards)
+            else quant.mode
+            if quant.at_load
+            else "none"
+        )
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
         tp_size = self.rank.tp_size
@@ -240,11 +322,13 @@ class HFStepModel:
         if self.link is not None and not fused:
             raise ValueError("pipeline parallelism needs the fused decoder (fused=True)")
         self.fused = (
-            FusedDecoder(self.model, self.rank, stage, self.link, checkpoint) if fused else None
+            FusedDecoder(self.model, self.rank, stage, self.link, checkpoint, quant)
+            if fused
+            else None
         )
         #: Whether this rank computes logits (the last pipeline stage; every rank without).
         self.has_logits = self.link is None or self.link.is_last
-        self.lm_head = self._take_head(fused, checkpoint)
+        self.lm_head = self._take_head(fused, checkpoint, quant)
         #: Bytes of checkpoint tensors this rank read (the files' dtype): its share, or the
         #: whole checkpoint where it loaded the whole model (`Worker.describe` shows it).
         self.bytes_read = (
@@ -275,7 +359,10 @@ class HFStepModel:
         ]
 
     def _take_head(
-        self, fused: bool, checkpoint: CheckpointShards | None
+        self,
+        fused: bool,
+        checkpoint: CheckpointShards | None,
+        quant: LinearQuantization,
     ) -> PackedLinear | Linear | None:
         """The LM head this rank computes logits with, after the fused decoder took the
         layers: None on a stage before the last (its HF head is released, and the embedding
@@ -291,6 +378,10 @@ class HFStepModel:
             return None
         if tp_size > 1:
             return _take_lm_head_shard(model, self.rank, checkpoint)
+        if self._gguf_head is not None:
+            return self._gguf_head
+        if fused and quant.at_load and model.lm_head.weight.device.type == "cpu":
+            return _take_quantized_lm_head(model, quant)
         return _take_lm_head(model) if fused else _plain_lm_head(model)
 
     @torch.inference_mode()

@@ -62,7 +62,7 @@ def gguf_architecture(path: Path) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
-def _cache_dir_for(path: Path) -> Path:
+def gguf_cache_dir(path: Path) -> Path:
     """Keyed by content (size plus the first and last MiB), so every install of the same
     file shares one converted copy."""
     size = path.stat().st_size
@@ -107,8 +107,11 @@ def conversion_notice(path: Path, target: Path) -> str:
 def convert_gguf(path: Path) -> Path:
     """Return an HF directory for a GGUF file, converting it on first use (announced on
     stderr: it takes about a minute, with transformers' conversion bars)."""
-    target = _cache_dir_for(path)
+    from tandem.models.gguf_weights import record_gguf_source
+
+    target = gguf_cache_dir(path)
     if (target / "config.json").exists():
+        record_gguf_source(target, path)
         return target
     arch = gguf_architecture(path)
     if arch not in SUPPORTED_MODEL_TYPES:
@@ -135,6 +138,7 @@ def convert_gguf(path: Path) -> Path:
         os.replace(scratch, target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    record_gguf_source(target, path)
     return target
 
 

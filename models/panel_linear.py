@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from tandem.models.cpu_kernels import load_library
 
-PANEL_GEMM_ABI = 1
+PANEL_GEMM_ABI = 2
 #: Output columns per packed panel.
 PANEL = 16
 
@@ -48,6 +48,8 @@ class PanelGemmKernel:
     f32_pack: ctypes._CFuncPtr  # type: ignore[name-defined]
     bf16_pack_f32: ctypes._CFuncPtr  # type: ignore[name-defined]
     bf16_pack_bf16: ctypes._CFuncPtr  # type: ignore[name-defined]
+    q_gemm: ctypes._CFuncPtr  # type: ignore[name-defined]
+    q_dequant_panel: ctypes._CFuncPtr  # type: ignore[name-defined]
     vectorized: bool
 
 
@@ -55,6 +57,8 @@ def _bind(library: ctypes.CDLL) -> PanelGemmKernel:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     gemm_args = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]
     pack_args = [ptr, i64, ptr, i64, i64, i32]
+    q_gemm_args = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32, i32, i32]
+    q_dequant_args = [ptr, ptr, ptr, i64, i64, i64, i32, i64, ptr, i32]
     functions = {}
     for name, args in (
         ("tandem_f32_gemm", gemm_args),
@@ -62,6 +66,8 @@ def _bind(library: ctypes.CDLL) -> PanelGemmKernel:
         ("tandem_f32_pack", pack_args),
         ("tandem_bf16_pack_f32", pack_args),
         ("tandem_bf16_pack_bf16", pack_args),
+        ("tandem_q_gemm", q_gemm_args),
+        ("tandem_q_dequant_panel", q_dequant_args),
     ):
         fn = getattr(library, name)
         fn.argtypes, fn.restype = args, None

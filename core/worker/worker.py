@@ -52,7 +52,8 @@ class Worker:
         """This worker's place and resources, as plain data (`collective_rpc("describe")`):
         rank, world size, tensor-parallel rank and size, host, pid, torch threads, device,
         the KV heads its pool holds (None for a model without a paged pool), and the time,
-        calls and bytes of its collectives so far, and the checkpoint bytes its model read."""
+        calls and bytes of its collectives so far, and the checkpoint bytes its model read and
+        which of its weights are quantized (`model.quantization` as resolved)."""
         info = parallel_state.current()
         pools = getattr(self.model, "kv_caches", None)
         return {
@@ -69,6 +70,7 @@ class Worker:
             "collective_calls": parallel_state.collective_time.calls,
             "collective_bytes": parallel_state.collective_time.bytes,
             "bytes_read": getattr(self.model, "bytes_read", None),
+            "quantization": getattr(self.model, "quantization", None),
         }
 
     def kv_cache_capacity(self) -> dict[str, int | None]:

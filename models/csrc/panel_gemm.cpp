@@ -423,9 +423,310 @@ void gemm(const float* x, int64_t ldx, const void* packed, const float* bias, fl
   run(g, threads, portable);
 }
 
+
+// ---------------------------------------------------------------------------------------
+// Quantized weights: weight-only int8 / int4 codes, group-wise affine, float32 compute.
+//
+//   w[col][kk] = scale[g][col] * code[col][kk] + min[g][col]   (g = kk / group; no min:
+//                                                               symmetric)
+//
+// Per 16-column panel p (columns past n have zero codes and scales):
+//   int8 codes  [p][k][16]      int8, position c of a (panel, k) row is column p * 16 + c
+//   int4 codes  [p][k / 2][16]  uint8: k even in the low nibble, k odd in the high (0..15);
+//                               k and group even
+//   scales, mins [p][groups][16] float32, groups = ceil(k / group) (the last may be short)
+//
+// Every format packed here has fp16 scales (GGUF's, or rounded to fp16 when quantizing), so
+// scale * code is exact in float32 (11 + 8 significant bits at most) and the FMA
+// `scale * code + min` rounds once, as a separate multiply and add does: each weight the
+// kernel uses is bit for bit the float reference's dequantized weight; only the summation
+// order of the products differs.
+//
+// Up to kQDirectRows rows (decode) a tile dequantizes each k row of 16 weights in registers
+// for its rows' FMAs, two k at a time into two accumulator sets. Above, each item
+// dequantizes a panel once into a float32 panel (thread-local) and runs the float32 tiles
+// over its rows: the dequantization is amortised over the rows.
+
+constexpr int64_t kQDirectRows = 4;
+
+struct QGemm {
+  const float* x;
+  int64_t ldx;
+  const uint8_t* codes;
+  const float* scales;
+  const float* mins;  // null: symmetric
+  const float* bias;
+  float* y;
+  int64_t ldy, m, n, k, group;
+  int bits;
+  int64_t groups() const { return (k + group - 1) / group; }
+  const uint8_t* panel_codes(int64_t p) const {
+    return codes + p * (bits == 8 ? k : k / 2) * kPanel;
+  }
+  const float* panel_scales(int64_t p) const { return scales + p * groups() * kPanel; }
+  const float* panel_mins(int64_t p) const {
+    return mins != nullptr ? mins + p * groups() * kPanel : nullptr;
+  }
+};
+
+inline float q_code(const QGemm& g, const uint8_t* codes, int64_t kk, int64_t pos) {
+  if (g.bits == 8) return static_cast<float>(static_cast<int8_t>(codes[kk * kPanel + pos]));
+  const uint8_t byte = codes[(kk / 2) * kPanel + pos];
+  return static_cast<float>((kk & 1) ? (byte >> 4) : (byte & 15));
+}
+
+// Panel p's weights as float32 [k][16] (the F32 panel layout), plain loops.
+void q_dequant_panel_portable(const QGemm& g, int64_t p, float* out) {
+  const uint8_t* codes = g.panel_codes(p);
+  const float* scales = g.panel_scales(p);
+  const float* mins = g.panel_mins(p);
+  for (int64_t kk = 0; kk < g.k; ++kk) {
+    const int64_t at = (kk / g.group) * kPanel;
+    for (int64_t pos = 0; pos < kPanel; ++pos) {
+      const float product = scales[at + pos] * q_code(g, codes, kk, pos);
+      out[kk * kPanel + pos] = mins != nullptr ? product + mins[at + pos] : product;
+    }
+  }
+}
+
+#if TANDEM_PANEL_AVX2
+// 16 bytes -> two vectors of 8 floats (columns 0..7, 8..15), as unsigned or signed bytes.
+template <bool Signed>
+inline void q_widen(__m128i bytes, __m256& lo, __m256& hi) {
+  const __m128i upper = _mm_srli_si128(bytes, 8);
+  if constexpr (Signed) {
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(upper));
+  } else {
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(upper));
+  }
+}
+
+struct QGroup {
+  __m256 s0, s1, m0, m1;
+};
+
+template <bool HasMin>
+inline QGroup q_group(const float* scales, const float* mins, int64_t gi) {
+  QGroup out;
+  out.s0 = _mm256_loadu_ps(scales + gi * kPanel);
+  out.s1 = _mm256_loadu_ps(scales + gi * kPanel + 8);
+  if constexpr (HasMin) {
+    out.m0 = _mm256_loadu_ps(mins + gi * kPanel);
+    out.m1 = _mm256_loadu_ps(mins + gi * kPanel + 8);
+  } else {
+    out.m0 = out.m1 = _mm256_setzero_ps();
+  }
+  return out;
+}
+
+template <bool HasMin>
+inline void q_affine(const QGroup& grp, __m256& lo, __m256& hi) {
+  if constexpr (HasMin) {
+    lo = _mm256_fmadd_ps(lo, grp.s0, grp.m0);
+    hi = _mm256_fmadd_ps(hi, grp.s1, grp.m1);
+  } else {
+    lo = _mm256_mul_ps(lo, grp.s0);
+    hi = _mm256_mul_ps(hi, grp.s1);
+  }
+}
+
+// The dequantized k rows kk and kk + 1 (16 weights each) of a panel.
+template <int Bits, bool HasMin>
+inline void q_rows2(const uint8_t* codes, int64_t kk, const QGroup& grp, __m256& a0,
+                    __m256& a1, __m256& b0, __m256& b1) {
+  if constexpr (Bits == 4) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kk / 2 * kPanel));
+    const __m128i mask = _mm_set1_epi8(15);
+    q_widen<false>(_mm_and_si128(raw, mask), a0, a1);
+    q_widen<false>(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), b0, b1);
+  } else {
+    q_widen<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kk * kPanel)), a0, a1);
+    q_widen<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (kk + 1) * kPanel)),
+                  b0, b1);
+  }
+  q_affine<HasMin>(grp, a0, a1);
+  q_affine<HasMin>(grp, b0, b1);
+}
+
+// One dequantized k row (int8 only: int4 rows come in pairs).
+template <bool HasMin>
+inline void q_row8(const uint8_t* codes, int64_t kk, const QGroup& grp, __m256& a0, __m256& a1) {
+  q_widen<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kk * kPanel)), a0, a1);
+  q_affine<HasMin>(grp, a0, a1);
+}
+
+template <int Bits, bool HasMin>
+void q_dequant_panel_avx2(const QGemm& g, int64_t p, float* out) {
+  const uint8_t* codes = g.panel_codes(p);
+  const float* scales = g.panel_scales(p);
+  const float* mins = g.panel_mins(p);
+  for (int64_t gi = 0, k0 = 0; k0 < g.k; ++gi, k0 += g.group) {
+    const QGroup grp = q_group<HasMin>(scales, mins, gi);
+    const int64_t k1 = std::min(g.k, k0 + g.group);
+    int64_t kk = k0;
+    for (; kk + 1 < k1; kk += 2) {
+      __m256 a0, a1, b0, b1;
+      q_rows2<Bits, HasMin>(codes, kk, grp, a0, a1, b0, b1);
+      float* dst = out + kk * kPanel;
+      _mm256_storeu_ps(dst, a0);
+      _mm256_storeu_ps(dst + 8, a1);
+      _mm256_storeu_ps(dst + 16, b0);
+      _mm256_storeu_ps(dst + 24, b1);
+    }
+    if constexpr (Bits == 8) {
+      if (kk < k1) {
+        __m256 a0, a1;
+        q_row8<HasMin>(codes, kk, grp, a0, a1);
+        _mm256_storeu_ps(out + kk * kPanel, a0);
+        _mm256_storeu_ps(out + kk * kPanel + 8, a1);
+      }
+    }
+  }
+}
+
+// MR rows x 16 columns of panel p over all of k, weights dequantized in registers.
+template <int MR, int Bits, bool HasMin>
+void q_tile_direct(const QGemm& g, int64_t m0, int64_t p) {
+  const int64_t n0 = p * kPanel;
+  const int64_t cols = std::min(kPanel, g.n - n0);
+  __m256 acc[2][MR][2];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+    alignas(32) float start[kPanel] = {};
+    if (g.bias != nullptr) std::copy(g.bias + n0, g.bias + n0 + cols, start);
+    acc[0][i][0] = _mm256_load_ps(start);
+    acc[0][i][1] = _mm256_load_ps(start + 8);
+    acc[1][i][0] = acc[1][i][1] = _mm256_setzero_ps();
+  }
+  const float* xr[MR];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) xr[i] = g.x + (m0 + i) * g.ldx;
+  const uint8_t* codes = g.panel_codes(p);
+  const float* scales = g.panel_scales(p);
+  const float* mins = g.panel_mins(p);
+  for (int64_t gi = 0, k0 = 0; k0 < g.k; ++gi, k0 += g.group) {
+    const QGroup grp = q_group<HasMin>(scales, mins, gi);
+    const int64_t k1 = std::min(g.k, k0 + g.group);
+    int64_t kk = k0;
+    for (; kk + 1 < k1; kk += 2) {
+      __m256 a0, a1, b0, b1;
+      q_rows2<Bits, HasMin>(codes, kk, grp, a0, a1, b0, b1);
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xa = _mm256_broadcast_ss(xr[i] + kk);
+        const __m256 xb = _mm256_broadcast_ss(xr[i] + kk + 1);
+        acc[0][i][0] = _mm256_fmadd_ps(xa, a0, acc[0][i][0]);
+        acc[0][i][1] = _mm256_fmadd_ps(xa, a1, acc[0][i][1]);
+        acc[1][i][0] = _mm256_fmadd_ps(xb, b0, acc[1][i][0]);
+        acc[1][i][1] = _mm256_fmadd_ps(xb, b1, acc[1][i][1]);
+      }
+    }
+    if constexpr (Bits == 8) {
+      if (kk < k1) {
+        __m256 a0, a1;
+        q_row8<HasMin>(codes, kk, grp, a0, a1);
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; ++i) {
+          const __m256 xa = _mm256_broadcast_ss(xr[i] + kk);
+          acc[0][i][0] = _mm256_fmadd_ps(xa, a0, acc[0][i][0]);
+          acc[0][i][1] = _mm256_fmadd_ps(xa, a1, acc[0][i][1]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+    alignas(32) float out[kPanel];
+    _mm256_store_ps(out, _mm256_add_ps(acc[0][i][0], acc[1][i][0]));
+    _mm256_store_ps(out + 8, _mm256_add_ps(acc[0][i][1], acc[1][i][1]));
+    std::copy(out, out + cols, g.y + (m0 + i) * g.ldy + n0);
+  }
+}
+
+template <int Bits, bool HasMin>
+void q_direct_rows(const QGemm& g, int64_t m0, int64_t rows, int64_t p) {
+  switch (rows) {
+    case 1: return q_tile_direct<1, Bits, HasMin>(g, m0, p);
+    case 2: return q_tile_direct<2, Bits, HasMin>(g, m0, p);
+    case 3: return q_tile_direct<3, Bits, HasMin>(g, m0, p);
+    default: return q_tile_direct<4, Bits, HasMin>(g, m0, p);
+  }
+}
+#endif
+
+void q_dequant_panel(const QGemm& g, int64_t p, float* out, bool portable) {
+#if TANDEM_PANEL_AVX2
+  if (!portable) {
+    const bool has_min = g.mins != nullptr;
+    if (g.bits == 4)
+      return has_min ? q_dequant_panel_avx2<4, true>(g, p, out)
+                     : q_dequant_panel_avx2<4, false>(g, p, out);
+    return has_min ? q_dequant_panel_avx2<8, true>(g, p, out)
+                   : q_dequant_panel_avx2<8, false>(g, p, out);
+  }
+#endif
+  q_dequant_panel_portable(g, p, out);
+}
+
+// Rows [r0, r1) x panels [p0, p1).
+void q_run_item(const QGemm& g, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
+                bool portable) {
+#if TANDEM_PANEL_AVX2
+  if (!portable && r1 - r0 <= kQDirectRows) {
+    const bool has_min = g.mins != nullptr;
+    for (int64_t p = p0; p < p1; ++p) {
+      if (g.bits == 4) {
+        has_min ? q_direct_rows<4, true>(g, r0, r1 - r0, p)
+                : q_direct_rows<4, false>(g, r0, r1 - r0, p);
+      } else {
+        has_min ? q_direct_rows<8, true>(g, r0, r1 - r0, p)
+                : q_direct_rows<8, false>(g, r0, r1 - r0, p);
+      }
+    }
+    return;
+  }
+#endif
+  thread_local std::vector<float> panel;
+  panel.resize(static_cast<size_t>(g.k * kPanel));
+  for (int64_t p = p0; p < p1; ++p) {
+    q_dequant_panel(g, p, panel.data(), portable);
+    const int64_t n0 = p * kPanel;
+    const Gemm<F32> one{g.x,  g.ldx, panel.data(), g.bias != nullptr ? g.bias + n0 : nullptr,
+                        g.y + n0, g.ldy, g.m, g.n - n0, g.k};
+    for (int64_t m = r0; m < r1; m += kTileRows)
+      pick_tile<F32>(std::min(kTileRows, r1 - m), portable)(one, m, 0, 0, g.k, true);
+  }
+}
+
+// Panels split between threads in dynamically scheduled chunks (as `run`); rows too when
+// panels are fewer than threads, in row parts of at least kQDirectRows + 1 rows where the
+// rows are more than kQDirectRows (so each part takes the amortised path).
+void q_run(const QGemm& g, int threads, bool portable) {
+  const int64_t panels = (g.n + kPanel - 1) / kPanel;
+  if (g.m <= 0 || panels <= 0) return;
+  const int64_t want = std::max(threads, 1);
+  const int64_t tiles = (g.m + kTileRows - 1) / kTileRows;
+  const int64_t row_parts = std::min(tiles, (want + panels - 1) / panels);
+  const int64_t cols = want == 1 ? 1 : std::min(panels, want * kChunksPerThread);
+  const int64_t items = cols * row_parts;
+  const int workers = static_cast<int>(std::min(items, want));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(workers) if (workers > 1)
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t c = item % cols;
+    const int64_t r = item / cols;
+    const int64_t r0 = std::min(g.m, tiles * r / row_parts * kTileRows);
+    const int64_t r1 = std::min(g.m, tiles * (r + 1) / row_parts * kTileRows);
+    const int64_t p0 = panels * c / cols;
+    const int64_t p1 = panels * (c + 1) / cols;
+    q_run_item(g, r0, r1, p0, p1, portable);
+  }
+}
+
 }  // namespace
 
-extern "C" int tandem_panel_gemm_abi_version() { return 1; }
+extern "C" int tandem_panel_gemm_abi_version() { return 2; }
 
 // 1 when the AVX2/FMA tile is compiled in, 0 when only the portable loops are.
 extern "C" int tandem_panel_gemm_vectorized() { return TANDEM_PANEL_AVX2; }
@@ -456,4 +757,21 @@ extern "C" void tandem_bf16_gemm(const float* x, int64_t ldx, const uint16_t* pa
                                  const float* bias, float* y, int64_t ldy, int64_t m,
                                  int64_t n, int64_t k, int threads, int portable) {
   gemm<BF16>(x, ldx, packed, bias, y, ldy, m, n, k, threads, portable != 0);
+}
+
+// Quantized weights (see "Quantized weights" above). bits: 4 or 8; mins may be null.
+extern "C" void tandem_q_gemm(const float* x, int64_t ldx, const uint8_t* codes,
+                              const float* scales, const float* mins, const float* bias,
+                              float* y, int64_t ldy, int64_t m, int64_t n, int64_t k,
+                              int64_t group, int bits, int threads, int portable) {
+  const QGemm g{x, ldx, codes, scales, mins, bias, y, ldy, m, n, k, group, bits};
+  q_run(g, threads, portable != 0);
+}
+
+// Panel p of the quantized weight dequantized into out [k][16] (tests).
+extern "C" void tandem_q_dequant_panel(const uint8_t* codes, const float* scales,
+                                       const float* mins, int64_t n, int64_t k, int64_t group,
+                                       int bits, int64_t p, float* out, int portable) {
+  const QGemm g{nullptr, 0, codes, scales, mins, nullptr, nullptr, 0, 0, n, k, group, bits};
+  q_dequant_panel(g, p, out, portable != 0);
 }

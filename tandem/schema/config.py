@@ -67,6 +67,17 @@ class ModelConfig(_Section):
         "only; auto = dual on CPUs with AVX-512 for models whose checkpoint is at most 2 GiB, "
         "else panel (docs/cpu-performance.md)",
     )
+    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto",
+        description="weight-only quantized linears on CPU (float32 activations): auto = a "
+        "GGUF's Q4_0/Q4_1/Q8_0 weights stay quantized, any other checkpoint runs in `dtype`; "
+        "none = every weight dequantized to `dtype`; int8 = quantized at load, per output "
+        "channel; int4 = quantized at load in groups of quantization_group_size inputs "
+        "(docs/quantization.md)",
+    )
+    quantization_group_size: Literal[32, 64, 128] = Field(
+        32, description="inputs per scale of `quantization: int4`"
+    )
     seed: int = 0
     max_model_len: int | None = Field(None, ge=2)
     max_logprobs: int = Field(

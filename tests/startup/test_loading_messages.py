@@ -39,7 +39,7 @@ def test_warm_start_says_nothing_about_conversion(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
-    target = model_files._cache_dir_for(model_files.embedded_gguf_path())
+    target = model_files.gguf_cache_dir(model_files.embedded_gguf_path())
     target.mkdir(parents=True)
     (target / "config.json").write_text("{}")
     assert model_files.convert_gguf(model_files.embedded_gguf_path()) == target

@@ -1,0 +1,246 @@
+"""Quantized tandem against llama.cpp on the embedded SmolLM2 GGUF, side by side.
+
+Engines (each run in its own process, taking turns repeat by repeat):
+
+- `tandem:none` (float32, today's path before quantization), `tandem:auto` (the GGUF's Q4_1
+  layers and Q8_0 embedding/LM head kept quantized), `tandem:int8`, `tandem:int4-g32`
+  (quantized at load from the float32 weights);
+- `llamacpp`: llama-cpp-python on the same GGUF (`benchmarks/peers/setup_llamacpp.sh`,
+  `peers/llamacpp_runner.py`), same threads, one sequence for `single` and every prompt as
+  a parallel sequence (`n_seq_max` = 64) for `batch`.
+
+Workloads (token ids cut from `tests/data/accuracy_text.txt`, so every engine sees the same
+tokens; greedy, EOS ignored):
+
+- `single`: 3 prompts of 32 tokens, one at a time, 128 new tokens: decode ms per token
+  (time of 129 tokens minus time of 1, over 128), median over prompts;
+- `batch`: 64 prompts of 32 tokens at once, 128 new tokens each: output tokens per second.
+
+Every process reports its peak RSS (the whole process: Python, torch and the model).
+
+    python benchmarks/quant_compare.py [--threads 2] [--repeats 3] [--engines ...]
+
+Writes benchmarks/results/quant_compare.json (medians over repeats, ratios against
+llama.cpp) and quant_compare.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / "benchmarks" / "peers"
+LLAMACPP_PYTHON = PEERS / ".venv-llamacpp" / "bin" / "python"
+OUT = ROOT / "benchmarks" / "results" / "quant_compare.json"
+ENGINES = ["tandem:none", "tandem:auto", "tandem:int8", "tandem:int4-g32", "llamacpp"]
+PROMPT_TOKENS = 32
+NEW_TOKENS = 128
+SINGLE_PROMPTS = 3
+BATCH_PROMPTS = 64
+
+
+def workloads() -> dict[str, dict[str, Any]]:
+    from tandem.models.model_files import load_tokenizer, resolve_model_dir
+
+    tokenizer = load_tokenizer(resolve_model_dir("default"))
+    ids = tokenizer((ROOT / "tests" / "data" / "accuracy_text.txt").read_text())["input_ids"]
+
+    def prompt(i: int) -> list[int]:
+        start = (i * 17) % (len(ids) - PROMPT_TOKENS)
+        return ids[start : start + PROMPT_TOKENS]
+
+    return {
+        "single": {"prompts": [prompt(i) for i in range(SINGLE_PROMPTS)], "max_tokens": NEW_TOKENS},
+        "batch": {"prompts": [prompt(i) for i in range(BATCH_PROMPTS)], "max_tokens": NEW_TOKENS},
+    }
+
+
+def peak_rss_mb() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, children) / 1024
+
+
+def tandem_child(mode: str, run: str, workload: dict[str, Any], threads: int) -> dict[str, Any]:
+    """One tandem engine in this process (the worker runs in it: `uniproc`)."""
+    from tandem import LLM, SamplingParams
+
+    settings: dict[str, Any] = {"quantization": mode}
+    if mode.startswith("int4-g"):
+        settings = {"quantization": "int4", "quantization_group_size": int(mode[6:])}
+    prompts, new = workload["prompts"], workload["max_tokens"]
+    llm = LLM(
+        model="default",
+        dtype="float32",
+        worker_num_threads=threads,
+        enable_prefix_caching=False,
+        max_model_len=PROMPT_TOKENS + NEW_TOKENS + 8,
+        max_num_seqs=max(len(prompts), 1),
+        **settings,
+    )
+
+    def params(n: int) -> Any:
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+    try:
+        llm.generate([list(range(100, 116))], params(8), use_tqdm=False)  # warm-up
+        result: dict[str, Any] = {"engine": f"tandem:{mode}", "run": run}
+        if run == "single":
+            per_token = []
+            for prompt in prompts:
+                start = time.perf_counter()
+                llm.generate([prompt], params(1), use_tqdm=False)
+                first = time.perf_counter() - start
+                start = time.perf_counter()
+                out = llm.generate([prompt], params(new + 1), use_tqdm=False)
+                whole = time.perf_counter() - start
+                per_token.append((whole - first) / new * 1000)
+            result["decode_ms_per_token"] = statistics.median(per_token)
+            result["first_tokens"] = list(out[0].outputs[0].token_ids)[:16]
+        else:
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params(new), use_tqdm=False)
+            wall = time.perf_counter() - start
+            total = sum(len(o.outputs[0].token_ids) for o in outs)
+            result["output_tokens_per_s"] = total / wall
+        result["peak_rss_mb"] = peak_rss_mb()
+        return result
+    finally:
+        llm.engine.shutdown()
+
+
+def run_child(engine: str, run: str, workload_file: Path, threads: int) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if engine == "llamacpp":
+        from tandem.models.model_files import embedded_gguf_path
+
+        cmd = [str(LLAMACPP_PYTHON), str(PEERS / "llamacpp_runner.py")]
+        cmd += ["--model", str(embedded_gguf_path()), "--threads", str(threads)]
+        cmd += ["--workload", str(workload_file), "--mode", run, "--repeats", "1"]
+    else:
+        mode = engine.split(":", 1)[1]
+        cmd = [sys.executable, __file__, "--child", mode, "--run", run]
+        cmd += ["--workload-file", str(workload_file), "--threads", str(threads)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"{engine} {run} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for engine, by_run in runs.items():
+        entry: dict[str, Any] = {}
+        for run, results in by_run.items():
+            key = "decode_ms_per_token" if run == "single" else "output_tokens_per_s"
+            entry[f"{run}_{key}"] = statistics.median(r[key] for r in results)
+            entry[f"{run}_peak_rss_mb"] = max(r["peak_rss_mb"] for r in results)
+        summary[engine] = entry
+    peer = summary.get("llamacpp")
+    if peer:
+        for entry in summary.values():
+            single = entry.get("single_decode_ms_per_token")
+            batch = entry.get("batch_output_tokens_per_s")
+            if single and peer.get("single_decode_ms_per_token"):
+                entry["single_ms_vs_llamacpp"] = single / peer["single_decode_ms_per_token"]
+            if batch and peer.get("batch_output_tokens_per_s"):
+                entry["batch_tps_vs_llamacpp"] = batch / peer["batch_output_tokens_per_s"]
+    return summary
+
+
+def plot(summary: dict[str, Any], target: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engines = list(summary)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in (
+        (axes[0], "single_decode_ms_per_token", "batch 1: decode ms/token (lower is better)"),
+        (axes[1], "batch_output_tokens_per_s", "64 sequences: output tokens/s (higher is better)"),
+    ):
+        values = [summary[e].get(key, 0) for e in engines]
+        ax.bar(
+            range(len(engines)),
+            values,
+            color=["#888" if e == "llamacpp" else "#36c" for e in engines],
+        )
+        ax.set_xticks(range(len(engines)), engines, rotation=30, ha="right")
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(target, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--runs", default="single,batch")
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--run", help=argparse.SUPPRESS)
+    parser.add_argument("--workload-file", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        workload = json.loads(args.workload_file.read_text())
+        print(json.dumps(tandem_child(args.child, args.run, workload, args.threads)))
+        return
+    engines, runs_wanted = args.engines.split(","), args.runs.split(",")
+    if "llamacpp" in engines and not LLAMACPP_PYTHON.exists():
+        sys.exit(f"{LLAMACPP_PYTHON} missing: run benchmarks/peers/setup_llamacpp.sh")
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        e: {r: [] for r in runs_wanted} for e in engines
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        files = {}
+        for run, workload in workloads().items():
+            files[run] = Path(scratch) / f"{run}.json"
+            files[run].write_text(json.dumps(workload))
+        for repeat in range(args.repeats):
+            for run in runs_wanted:
+                for engine in engines:
+                    result = run_child(engine, run, files[run], args.threads)
+                    runs[engine][run].append(result)
+                    print(
+                        repeat,
+                        run,
+                        engine,
+                        {k: v for k, v in result.items() if "tokens" not in k or "per" in k},
+                        flush=True,
+                    )
+    summary = summarise(runs)
+    from tandem.models.cpu_features import cpu_flags
+    from tandem.models.model_files import embedded_gguf_path
+
+    report = {
+        "benchmark": "quant_compare",
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "gguf_mb": embedded_gguf_path().stat().st_size / 2**20,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c"))),
+        "load_average": os.getloadavg(),
+        "summary": summary,
+        "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(summary, args.out.with_suffix(".png"))
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

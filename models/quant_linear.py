@@ -1,0 +1,201 @@
+"""Weight-only quantized linears on the CPU: int8 / int4 codes in 16-column panels.
+
+`QuantLinear(weight: QuantizedWeight, bias)` computes `y = x @ W.T + bias` for float32
+`x [rows, in]`, W dequantized on the fly (float32 products and accumulation) by the panel
+GEMM kernel's quantized path (`csrc/panel_gemm.cpp`, "Quantized weights"): up to 4 rows
+each 16-weight k row is widened in registers; above, each panel is dequantized once into a
+float32 panel and the float32 register tiles run over all rows.
+
+Contract: every weight the kernel multiplies is bit for bit `weight.dequantize()` (see
+`quantized_weight`), so `layer(x)` equals `x @ dense_weight().T + bias` up to float32
+summation order. Without the kernel (no compiler, `TANDEM_CPU_KERNELS=0`) the layer keeps
+the dequantized float32 weight and calls `F.linear` (the same numbers, none of the memory
+saving; one warning says so). torch's own CPU kernels (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`) were measured 5-57x slower than float32 `F.linear` on this
+project's shapes on AVX2 (`python benchmarks/quant_linear.py`), so they are not used.
+
+Memory: codes (1 byte per weight for int8, half for int4) plus float32 scales (and mins)
+per group of 16 columns.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.models.panel_linear import PANEL, PanelGemmKernel, panel_gemm_kernel
+from tandem.models.quantized_weight import QuantizedWeight, quantize_int4, quantize_int8
+
+logger = logging.getLogger("tandem.model")
+_warned_fallback = False
+
+
+@dataclass(frozen=True)
+class LinearQuantization:
+    """`model.quantization` and `model.quantization_group_size` as the model builder reads
+    them (`auto` / `none` / `int8` / `int4`, see the config's field)."""
+
+    mode: str = "none"
+    group_size: int = 32
+
+    @property
+    def keeps_gguf(self) -> bool:
+        """A GGUF's kept types stay quantized."""
+        return self.mode == "auto"
+
+    @property
+    def at_load(self) -> bool:
+        """Float weights are quantized as the layers are built."""
+        return self.mode in ("int8", "int4")
+
+    def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
+        """A layer's weight in the configured format."""
+        if self.mode == "int4":
+            return quantize_int4(weight, self.group_size)
+        return quantize_int8(weight)
+
+    def quantize_head(self, weight: torch.Tensor) -> QuantizedWeight:
+        """The LM head: int8 per output channel in both modes (its logits rank every token;
+        int4 there costs more agreement than it saves time, docs/quantization.md)."""
+        return quantize_int8(weight)
+
+
+def _panels(per_row: torch.Tensor) -> torch.Tensor:
+    """`[out, ...]` -> `[ceil(out / 16), ..., 16]`, rows past `out` zero."""
+    out = per_row.shape[0]
+    panels = -(-out // PANEL)
+    padded = per_row.new_zeros((panels * PANEL, *per_row.shape[1:]))
+    padded[:out] = per_row
+    moved = padded.view(panels, PANEL, *per_row.shape[1:]).movedim(1, -1)
+    return moved.contiguous()
+
+
+def pack_codes(weight: QuantizedWeight) -> torch.Tensor:
+    """The kernel's code layout (uint8): int8 `[panels, in, 16]`; int4 `[panels, in/2, 16]`
+    with input 2j in the low nibble and 2j + 1 in the high."""
+    codes = _panels(weight.codes.view(torch.uint8) if weight.bits == 8 else weight.codes)
+    if weight.bits == 8:
+        return codes
+    return codes[:, 0::2, :] | (codes[:, 1::2, :] << 4)
+
+
+class QuantLinear:
+    """A float32-in, float32-out linear over a `QuantizedWeight` (see the module
+    docstring). `kind` names the format (`"Q4_1"`, `"int8"`, ...)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.bits, self.group_size, self.kind = weight.bits, weight.group_size, weight.kind
+        self.bias = bias.detach().float().contiguous().clone() if bias is not None else None
+        self._kernel: PanelGemmKernel | None = panel_gemm_kernel()
+        self.codes: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None
+        self.mins: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None
+        if self._kernel is None:
+            _warn_fallback()
+            self.weight = weight.dequantize()
+            return
+        self.codes = pack_codes(weight)
+        self.scales = _panels(weight.scales.float())
+        self.mins = _panels(weight.mins.float()) if weight.mins is not None else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer holds for its weight (codes, scales, mins; or the float copy)."""
+        held = (self.codes, self.scales, self.mins, self.weight)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(
+                f"QuantLinear({self.in_features}->{self.out_features}) takes float32 "
+                f"[rows, {self.in_features}], got {x.dtype} {tuple(x.shape)}"
+            )
+        if self.weight is not None:
+            return F.linear(x, self.weight, self.bias)
+        return self.run(x)
+
+    def run(self, x: torch.Tensor, portable: bool = False) -> torch.Tensor:
+        """The kernel's product (`portable`: its plain loops, for tests)."""
+        assert self._kernel is not None and self.codes is not None and self.scales is not None
+        rows = x.shape[0]
+        if x.stride(1) != 1 or (rows > 1 and x.stride(0) < self.in_features):
+            x = x.contiguous()
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)
+        self._kernel.q_gemm(
+            x.data_ptr(),
+            x.stride(0),
+            self.codes.data_ptr(),
+            self.scales.data_ptr(),
+            self.mins.data_ptr() if self.mins is not None else None,
+            self.bias.data_ptr() if self.bias is not None else None,
+            y.data_ptr(),
+            self.out_features,
+            rows,
+            self.out_features,
+            self.in_features,
+            self.group_size,
+            self.bits,
+            torch.get_num_threads(),
+            int(portable),
+        )
+        return y
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the dequantized weight, float32 `[len(ids), in]` (an embedding
+        lookup over a tied table; a drafter's LM-head rows), exact."""
+        if self.weight is not None:
+            return self.weight[ids]
+        assert self.codes is not None and self.scales is not None
+        ids = ids.to(torch.long)
+        panel, col = ids // PANEL, ids % PANEL
+        codes = self.codes[panel, :, col]  # [T, in] or [T, in/2]
+        if self.bits == 8:
+            values = codes.view(torch.int8).float()
+        else:
+            values = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(1).float()
+        scales = self.scales[panel, :, col].repeat_interleave(self.group_size, dim=1)
+        product = scales[:, : self.in_features] * values
+        if self.mins is None:
+            return product
+        mins = self.mins[panel, :, col].repeat_interleave(self.group_size, dim=1)
+        return product + mins[:, : self.in_features]
+
+    def dense_weight(self) -> torch.Tensor:
+        """The whole dequantized `[out, in]` float32 weight (new memory; exact)."""
+        if self.weight is not None:
+            return self.weight
+        return self.rows(torch.arange(self.out_features))
+
+
+class QuantEmbedding(torch.nn.Module):
+    """An embedding lookup over a `QuantLinear`'s rows (a GGUF table kept quantized, tied to
+    the LM head or not): float32 `[..., hidden]`, exact dequantized rows."""
+
+    def __init__(self, table: QuantLinear, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        #: Shape and dtype only (a meta tensor): what code that inspects an embedding's
+        #: weight (its dtype, its size) reads; the values are `table`'s.
+        self.weight = torch.empty(
+            (self.num_embeddings, self.embedding_dim), dtype=dtype, device="meta"
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = self.table.rows(input_ids.reshape(-1))
+        return flat.view(*input_ids.shape, self.embedding_dim)
+
+
+def _warn_fallback() -> None:
+    global _warned_fallback
+    if not _warned_fallback:
+        _warned_fallback = True
+        logger.warning(
+            "quantized linears: the compiled kernel is unavailable; weights are held "
+            "dequantized in float32 (no memory saving)"
+        )

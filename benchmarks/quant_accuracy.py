@@ -13,7 +13,8 @@ quantization:
 
 `auto` is the GGUF kept quantized (Q4_1 layers, Q8_0 embedding / LM head); `int4-gN` is
 `quantization: int4` with `quantization_group_size: N`, quantized at load from the float32
-weights (the GGUF's dequantized values). Writes `benchmarks/results/quant_accuracy.json`.
+weights (the GGUF's dequantized values), likewise `int8-gN` (`-g0`: one scale per output
+channel). Writes `benchmarks/results/quant_accuracy.json`.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ OUT = ROOT / "benchmarks" / "results" / "quant_accuracy.json"
 
 
 def mode_settings(mode: str) -> dict[str, Any]:
-    if mode.startswith("int4-g"):
-        return {"quantization": "int4", "quantization_group_size": int(mode[6:])}
+    """`int8-g32` -> quantization int8 in groups of 32 (`-g0`: per output channel)."""
+    if mode.startswith(("int4-g", "int8-g")):
+        return {"quantization": mode[:4], "quantization_group_size": int(mode[6:])}
     return {"quantization": mode}
 
 
@@ -62,7 +64,7 @@ def teacher_forced(mode: str, chunk: int) -> tuple[list[int], list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", default="none,auto,int8,int4-g32,int4-g64,int4-g128")
+    parser.add_argument("--modes", default="none,auto,int8-g0,int8-g32,int8-g64,int4-g32,int4-g64,int4-g128")
     parser.add_argument("--chunk", type=int, default=256, help="tokens per teacher-forced prompt")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()

@@ -25,8 +25,14 @@ def linear_quantization(config: EngineConfig, device: Any) -> Any:
             f"model.quantization: {mode} runs on the CPU; the model runs on {device.type} "
             "(use quantization: none there)"
         )
+    group = config.model.quantization_group_size
+    if mode == "int4" and group == 0:
+        raise ConfigError(
+            "model.quantization_group_size: int4 needs groups of 32, 64 or 128 inputs "
+            "(0, one scale per output channel, is for int8)"
+        )
     mode = mode if device.type == "cpu" else "none"
-    return LinearQuantization(mode, config.model.quantization_group_size)
+    return LinearQuantization(mode, group)
 
 
 class HFModelLoader:

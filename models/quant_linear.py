@@ -52,15 +52,15 @@ class LinearQuantization:
         return self.mode in ("int8", "int4")
 
     def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
-        """A layer's weight in the configured format."""
+        """A layer's weight in the configured format (group size 0: per output channel)."""
         if self.mode == "int4":
             return quantize_int4(weight, self.group_size)
-        return quantize_int8(weight)
+        return quantize_int8(weight, self.group_size or None)
 
     def quantize_head(self, weight: torch.Tensor) -> QuantizedWeight:
-        """The LM head: int8 per output channel in both modes (its logits rank every token;
-        int4 there costs more agreement than it saves time, docs/quantization.md)."""
-        return quantize_int8(weight)
+        """The LM head: int8 in both modes, in the configured groups (its logits rank every
+        token; int4 there costs more agreement than it saves time, docs/quantization.md)."""
+        return quantize_int8(weight, self.group_size or None)
 
 
 def _panels(per_row: torch.Tensor) -> torch.Tensor:
@@ -76,7 +76,7 @@ def _panels(per_row: torch.Tensor) -> torch.Tensor:
 def pack_codes(weight: QuantizedWeight) -> torch.Tensor:
     """The kernel's code layout (uint8): int8 `[panels, in, 16]`; int4 `[panels, in/2, 16]`
     with input 2j in the low nibble and 2j + 1 in the high."""
-    codes = _panels(weight.codes.view(torch.uint8) if weight.bits == 8 else weight.codes)
+    codes = _panels(weight.codes)
     if weight.bits == 8:
         return codes
     return codes[:, 0::2, :] | (codes[:, 1::2, :] << 4)
@@ -155,7 +155,7 @@ class QuantLinear:
         panel, col = ids // PANEL, ids % PANEL
         codes = self.codes[panel, :, col]  # [T, in] or [T, in/2]
         if self.bits == 8:
-            values = codes.view(torch.int8).float()
+            values = codes.float()
         else:
             values = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(1).float()
         scales = self.scales[panel, :, col].repeat_interleave(self.group_size, dim=1)

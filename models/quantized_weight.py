@@ -4,17 +4,19 @@ A `QuantizedWeight` holds a `[out, in]` weight as
 
     w[o, i] = scale[o, i // group] * code[o, i] + min[o, i // group]
 
-with `bits` 8 (signed codes, no min: symmetric) or 4 (codes 0..15, with a min). Every
-scale and min is a float16 value held in float32 (GGUF's own, or rounded to float16 when
-quantizing here), so `scale * code` is exact in float32 and the dequantized weight is one
-rounding of the sum: the compiled kernel's FMA and torch's multiply-then-add give the same
-bits (`dequantize`), and for GGUF's Q4_0, Q4_1 and Q8_0 these are bit for bit the values
-gguf's reference dequantizer gives (Q4_0's `d * (q - 8)` is kept as `d * q + (-8 d)`: both
-terms are exact, so is their sum).
+with unsigned codes of `bits` 8 (0..255) or 4 (0..15). Every scale is a float16 value held
+in float32 (GGUF's own, or rounded to float16 when quantizing here), so `scale * code` is
+exact in float32 and the dequantized weight is one rounding of the sum: the compiled
+kernel's FMA and torch's multiply-then-add give the same bits (`dequantize`). Signed
+formats keep their codes offset: Q8_0's `d * q` is held as `d * (q + 128) + (-128 d)` and
+Q4_0's `d * (q - 8)` as `d * q + (-8 d)`; both terms are exact, so is their sum, and GGUF's
+Q4_0, Q4_1 and Q8_0 dequantize bit for bit to the values gguf's reference dequantizer
+gives. `mins` is None only where every min is zero.
 
-Sources: `quantize_int8` (per output channel, symmetric), `quantize_int4` (group-wise,
-min/max affine) from float weights, and `from_gguf_blocks` for GGUF tensors of the
-`GGUF_KEPT_TYPES` (their blocks repacked as integers and scales, no float round trip).
+Sources: `quantize_int8` (per output channel, symmetric; or group-wise, the better of a
+symmetric and a min/max grid per group), `quantize_int4` (group-wise, min/max affine) from
+float weights, and `from_gguf_blocks` for GGUF tensors of the `GGUF_KEPT_TYPES` (their
+blocks repacked as integers and scales, no float round trip).
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ _FP16_MAX = 65504.0
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """`codes [out, in]` (int8 for 8 bits, uint8 0..15 for 4), `scales [out, groups]` and
-    `mins [out, groups]` (None: symmetric) float32, groups = ceil(in / group_size). `kind`
-    names the format for logs and reports (`"Q4_1"`, `"int8"`, ...)."""
+    """`codes [out, in]` uint8 (0..255 for 8 bits, 0..15 for 4), `scales [out, groups]` and
+    `mins [out, groups]` (None: all zero) float32, groups = ceil(in / group_size). `kind`
+    names the format for logs and reports (`"Q4_1"`, `"int8-g32"`, ...)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -131,15 +133,61 @@ def _fp16_scales(values: torch.Tensor) -> torch.Tensor:
     return torch.where(rounded > 0, rounded, torch.ones_like(rounded))
 
 
-def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
-    """Symmetric int8 per output channel: scale = max|w| / 127 (float16), codes in
-    [-127, 127] (round to nearest)."""
+def _finite(weight: torch.Tensor) -> torch.Tensor:
     w = weight.detach().float()
     if not torch.isfinite(w).all():
         raise ValueError("cannot quantize a weight holding inf or NaN")
-    scales = _fp16_scales(w.abs().amax(dim=1, keepdim=True) / 127)
-    codes = torch.clamp(torch.round(w / scales), -127, 127).to(torch.int8)
-    return QuantizedWeight(codes, scales, None, 8, int(w.shape[1]), "int8")
+    return w
+
+
+def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`[out, groups, group_size]`, a short last group padded with its last column."""
+    out, inn = w.shape
+    groups = -(-inn // group_size)
+    pad = groups * group_size - inn
+    padded = torch.cat([w, w[:, -1:].expand(out, pad)], dim=1) if pad else w
+    return padded.view(out, groups, group_size)
+
+
+def _affine_grid(
+    grouped: torch.Tensor, levels: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scales, mins) of the min/max grid of `levels` steps per group."""
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    mins = low.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16).float()
+    scales = _fp16_scales((high - mins) / levels)
+    codes = torch.round((grouped - mins[..., None]) / scales[..., None]).clamp(0, levels)
+    return codes, scales, mins
+
+
+def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
+    """int8 weights. `group_size` None: symmetric per output channel (vLLM's W8 per-channel):
+    scale = max|w| / 127 (float16), codes round(w / scale) in [-127, 127]. A group size:
+    per group of that many inputs, whichever of that symmetric grid and the min/max grid
+    (scale = (max - min) / 255, min) has the smaller squared error: a weight already on a
+    4- or 8-bit grid (a GGUF's, dequantized) is then re-expressed (nearly) exactly."""
+    w = _finite(weight)
+    out, inn = w.shape
+    grouped = w[:, None, :] if group_size is None else _grouped(w, group_size)
+    sym_scales = _fp16_scales(grouped.abs().amax(dim=-1) / 127)
+    sym_codes = torch.clamp(torch.round(grouped / sym_scales[..., None]), -127, 127) + 128
+    sym_mins = -128 * sym_scales
+    kind = "int8" if group_size is None else f"int8-g{group_size}"
+    if group_size is None:
+        codes, scales, mins = sym_codes, sym_scales, sym_mins
+    else:
+        aff_codes, aff_scales, aff_mins = _affine_grid(grouped, 255)
+
+        def error(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+            values = codes * scales[..., None] + mins[..., None]
+            return ((values - grouped) ** 2).sum(dim=-1)
+
+        symmetric = error(sym_codes, sym_scales, sym_mins) <= error(aff_codes, aff_scales, aff_mins)
+        codes = torch.where(symmetric[..., None], sym_codes, aff_codes)
+        scales = torch.where(symmetric, sym_scales, aff_scales)
+        mins = torch.where(symmetric, sym_mins, aff_mins)
+    codes = codes.reshape(out, -1)[:, :inn].to(torch.uint8)
+    return QuantizedWeight(codes, scales, mins, 8, group_size or inn, kind)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight:
@@ -150,19 +198,9 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight
         raise ValueError(
             f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {group_size}"
         )
-    w = weight.detach().float()
-    if not torch.isfinite(w).all():
-        raise ValueError("cannot quantize a weight holding inf or NaN")
-    out, inn = w.shape
-    groups = -(-inn // group_size)
-    pad = groups * group_size - inn
-    padded = torch.cat([w, w[:, -1:].expand(out, pad)], dim=1) if pad else w
-    grouped = padded.view(out, groups, group_size)
-    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
-    mins = low.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16).float()
-    scales = _fp16_scales((high - mins) / 15)
-    codes = torch.round((grouped - mins[..., None]) / scales[..., None]).clamp(0, 15)
-    codes = codes.view(out, groups * group_size)[:, :inn].to(torch.uint8)
+    w = _finite(weight)
+    codes, scales, mins = _affine_grid(_grouped(w, group_size), 15)
+    codes = codes.reshape(w.shape[0], -1)[:, : w.shape[1]].to(torch.uint8)
     return QuantizedWeight(codes, scales, mins, 4, group_size, f"int4-g{group_size}")
 
 
@@ -183,8 +221,9 @@ def from_gguf_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> Qua
 
     scale = half(0)
     if kind == "Q8_0":
-        codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(out, inn)
-        return QuantizedWeight(codes, scale, None, 8, _GGUF_BLOCK, kind)
+        signed = blocks[..., 2:].contiguous().view(torch.int8).reshape(out, inn)
+        codes = (signed.to(torch.int16) + 128).to(torch.uint8)
+        return QuantizedWeight(codes, scale, -128 * scale, 8, _GGUF_BLOCK, kind)
     nibbles = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
     # byte j of a block: element j in the low nibble, element j + 16 in the high
     codes = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(out, inn)

@@ -431,7 +431,8 @@ void gemm(const float* x, int64_t ldx, const void* packed, const float* bias, fl
 //                                                               symmetric)
 //
 // Per 16-column panel p (columns past n have zero codes and scales):
-//   int8 codes  [p][k][16]      int8, position c of a (panel, k) row is column p * 16 + c
+//   int8 codes  [p][k][16]      uint8 0..255, position c of a (panel, k) row is column
+//                               p * 16 + c (signed formats are stored + 128, the min - 128 s)
 //   int4 codes  [p][k / 2][16]  uint8: k even in the low nibble, k odd in the high (0..15);
 //                               k and group even
 //   scales, mins [p][groups][16] float32, groups = ceil(k / group) (the last may be short)
@@ -470,7 +471,7 @@ struct QGemm {
 };
 
 inline float q_code(const QGemm& g, const uint8_t* codes, int64_t kk, int64_t pos) {
-  if (g.bits == 8) return static_cast<float>(static_cast<int8_t>(codes[kk * kPanel + pos]));
+  if (g.bits == 8) return static_cast<float>(codes[kk * kPanel + pos]);
   const uint8_t byte = codes[(kk / 2) * kPanel + pos];
   return static_cast<float>((kk & 1) ? (byte >> 4) : (byte & 15));
 }
@@ -490,17 +491,10 @@ void q_dequant_panel_portable(const QGemm& g, int64_t p, float* out) {
 }
 
 #if TANDEM_PANEL_AVX2
-// 16 bytes -> two vectors of 8 floats (columns 0..7, 8..15), as unsigned or signed bytes.
-template <bool Signed>
+// 16 unsigned bytes -> two vectors of 8 floats (columns 0..7, 8..15).
 inline void q_widen(__m128i bytes, __m256& lo, __m256& hi) {
-  const __m128i upper = _mm_srli_si128(bytes, 8);
-  if constexpr (Signed) {
-    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(upper));
-  } else {
-    lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-    hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(upper));
-  }
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
 }
 
 struct QGroup {
@@ -539,11 +533,11 @@ inline void q_rows2(const uint8_t* codes, int64_t kk, const QGroup& grp, __m256&
   if constexpr (Bits == 4) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kk / 2 * kPanel));
     const __m128i mask = _mm_set1_epi8(15);
-    q_widen<false>(_mm_and_si128(raw, mask), a0, a1);
-    q_widen<false>(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), b0, b1);
+    q_widen(_mm_and_si128(raw, mask), a0, a1);
+    q_widen(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), b0, b1);
   } else {
-    q_widen<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kk * kPanel)), a0, a1);
-    q_widen<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (kk + 1) * kPanel)),
+    q_widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kk * kPanel)), a0, a1);
+    q_widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (kk + 1) * kPanel)),
                   b0, b1);
   }
   q_affine<HasMin>(grp, a0, a1);
@@ -553,7 +547,7 @@ inline void q_rows2(const uint8_t* codes, int64_t kk, const QGroup& grp, __m256&
 // One dequantized k row (int8 only: int4 rows come in pairs).
 template <bool HasMin>
 inline void q_row8(const uint8_t* codes, int64_t kk, const QGroup& grp, __m256& a0, __m256& a1) {
-  q_widen<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kk * kPanel)), a0, a1);
+  q_widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kk * kPanel)), a0, a1);
   q_affine<HasMin>(grp, a0, a1);
 }
 

@@ -71,12 +71,13 @@ class ModelConfig(_Section):
         "auto",
         description="weight-only quantized linears on CPU (float32 activations): auto = a "
         "GGUF's Q4_0/Q4_1/Q8_0 weights stay quantized, any other checkpoint runs in `dtype`; "
-        "none = every weight dequantized to `dtype`; int8 = quantized at load, per output "
-        "channel; int4 = quantized at load in groups of quantization_group_size inputs "
-        "(docs/quantization.md)",
+        "none = every weight dequantized to `dtype`; int8 / int4 = quantized at load in "
+        "groups of quantization_group_size inputs (docs/quantization.md)",
     )
-    quantization_group_size: Literal[32, 64, 128] = Field(
-        32, description="inputs per scale of `quantization: int4`"
+    quantization_group_size: Literal[0, 32, 64, 128] = Field(
+        32,
+        description="inputs per scale of `quantization: int8 | int4`; 0 = one scale per "
+        "output channel (int8 only: symmetric, vLLM's per-channel W8)",
     )
     seed: int = 0
     max_model_len: int | None = Field(None, ge=2)

@@ -40,7 +40,8 @@ def _gguf_blocks(kind: str, weight: torch.Tensor) -> np.ndarray:
 
 def _formats(out: int = 40, inn: int = 96) -> list[QuantizedWeight]:
     weight = _weight(out, inn)
-    made = [quantize_int8(weight), *(quantize_int4(weight, g) for g in (32, 64, 128))]
+    made = [quantize_int8(weight), quantize_int8(weight, 32), quantize_int8(weight, 64)]
+    made += [quantize_int4(weight, g) for g in (32, 64, 128)]
     made += [from_gguf_blocks(k, _gguf_blocks(k, weight), (out, inn)) for k in GGUF_KEPT_TYPES]
     return made
 
@@ -81,7 +82,10 @@ def test_quantization_error_is_at_most_half_a_step() -> None:
     int8 = quantize_int8(weight)
     step = int8.scales.expand(-1, 100)
     assert ((int8.dequantize() - weight).abs() <= step / 2 + 1e-7).all()
-    assert int8.codes.dtype == torch.int8 and int8.codes.abs().max() <= 127
+    assert int8.codes.dtype == torch.uint8 and 1 <= int8.codes.min() <= int8.codes.max() <= 255
+    grouped = quantize_int8(weight, 32)
+    step = grouped.scales.repeat_interleave(32, dim=1)[:, :100]
+    assert ((grouped.dequantize() - weight).abs() <= step / 2 + 1e-6).all()
     for group in (32, 64, 128):
         int4 = quantize_int4(weight, group)
         assert int4.codes.max() <= 15 and int4.scales.shape == (24, -(-100 // group))
@@ -136,6 +140,18 @@ def test_embedding_over_a_quantized_table_is_exact() -> None:
     assert torch.equal(embedding(ids), weight.dequantize()[ids])
 
 
+def test_int8_groups_follow_a_4_bit_grid() -> None:
+    """A float weight that is a dequantized Q4_1 (the embedded model's layers) lies on a
+    15-step grid per group of 32: the int8 min/max grid of 255 steps (17 per 4-bit step)
+    follows it up to the float16 rounding of its scale, far closer than per channel."""
+    q4 = from_gguf_blocks("Q4_1", _gguf_blocks("Q4_1", _weight(16, 64, seed=2)), (16, 64))
+    dense = q4.dequantize()
+    int8 = quantize_int8(dense, 32)
+    error = (int8.dequantize() - dense).abs().max()
+    per_channel = (quantize_int8(dense).dequantize() - dense).abs().max()
+    assert error < per_channel / 4, (float(error), float(per_channel))
+
+
 def test_fused_rows_keep_one_format_or_refuse_two() -> None:
     a, b = quantize_int8(_weight(8, 64)), quantize_int8(_weight(4, 64, seed=1))
     fused = QuantizedWeight.cat([a, b])
@@ -151,18 +167,25 @@ def _dequantized_reference(model_dir: Path, target: Path, mode: str, group: int)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    quantize = (lambda w: quantize_int4(w, group)) if mode == "int4" else quantize_int8
+
+    def quantize(weight: torch.Tensor, head: bool) -> QuantizedWeight:
+        if mode == "int4" and not head:
+            return quantize_int4(weight, group)
+        return quantize_int8(weight, group or None)
+
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):
-                chosen = quantize_int8 if name == "lm_head" else quantize
+                chosen = lambda w, h=(name == "lm_head"): quantize(w, h)  # noqa: E731
                 module.weight.copy_(chosen(module.weight).dequantize())
     model.save_pretrained(target)
     return target
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-@pytest.mark.parametrize(("mode", "group"), [("int8", 32), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize(
+    ("mode", "group"), [("int8", 0), ("int8", 32), ("int4", 32), ("int4", 128)]
+)
 def test_quantized_engine_matches_transformers_on_dequantized_weights(
     arch: str, mode: str, group: int, tiny_models, hf_greedy, tmp_path: Path
 ) -> None:
@@ -197,6 +220,11 @@ def test_quantization_off_the_cpu_is_refused_naming_the_field() -> None:
     auto = EngineConfig.model_validate({"model": {"quantization": "auto"}})
     assert linear_quantization(auto, torch.device("cuda")).mode == "none"
     assert linear_quantization(auto, torch.device("cpu")).keeps_gguf
+    per_channel = EngineConfig.model_validate(
+        {"model": {"quantization": "int4", "quantization_group_size": 0}}
+    )
+    with pytest.raises(ConfigError, match="quantization_group_size: int4 needs groups"):
+        linear_quantization(per_channel, torch.device("cpu"))
 
 
 def test_smollm2_gguf_weights_are_kept_bit_for_bit(smollm2_dir: Path) -> None:

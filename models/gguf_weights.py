@@ -18,6 +18,7 @@ copy's float32 weights bit for bit.
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ def record_gguf_source(model_dir: Path, gguf_path: Path) -> None:
     try:
         if target.exists() and target.read_text() == text:
             return
-        scratch = target.with_suffix(f".{id(text)}.tmp")
+        scratch = target.with_suffix(f".{os.getpid()}.tmp")
         scratch.write_text(text)
         scratch.replace(target)
     except OSError as exc:  # a read-only cache: the model then runs dequantized
@@ -167,5 +168,7 @@ class GGUFShards:
         return CheckpointLayer(self, prefix)  # type: ignore[arg-type]
 
     def close(self) -> int:
-        """Bytes read in all: the quantized blocks plus the float tensors."""
+        """Let go of the GGUF's mapping (every weight read was copied out) and of the float
+        reader; bytes read in all: the quantized blocks plus the float tensors."""
+        self._tensors.clear()
         return self.quantized_bytes_read + self.floats.close()

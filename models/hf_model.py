@@ -121,14 +121,21 @@ def _lm_head_rows(
 
 
 def _take_lm_head_shard(
-    causal_lm: torch.nn.Module, rank: RankInfo, checkpoint: CheckpointShards | None = None
+    causal_lm: torch.nn.Module,
+    rank: RankInfo,
+    checkpoint: CheckpointShards | None = None,
+    quant: LinearQuantization | None = None,
 ) -> Linear:
     """This rank's vocabulary rows of the LM head (`_lm_head_rows`), as the decoder's own
-    linears are built; the HF head and embedding are released (the fused decoder holds its
-    own rows of the embedding: `VocabParallelEmbedding`)."""
+    linears are built (quantized as one rank's head is under `quant.at_load`: by rows, so
+    each rank holds exactly its rows of it); the HF head and embedding are released (the
+    fused decoder holds its own rows of the embedding: `VocabParallelEmbedding`)."""
     head = causal_lm.lm_head
     weight, bias = _lm_head_rows(causal_lm, rank, checkpoint)
-    linear = fused_linear(weight, bias, float32_compute(causal_lm))
+    if quant is not None and quant.at_load and weight.device.type == "cpu":
+        linear: Linear = QuantLinear(quant.quantize_head(weight), bias)
+    else:
+        linear = fused_linear(weight, bias, float32_compute(causal_lm))
     release_parameters([head, causal_lm.get_input_embeddings()])  # the decoder has its rows
     own_remaining_parameters(causal_lm)
     return linear
@@ -377,7 +384,7 @@ class HFStepModel:
             own_remaining_parameters(model)
             return None
         if tp_size > 1:
-            return _take_lm_head_shard(model, self.rank, checkpoint)
+            return _take_lm_head_shard(model, self.rank, checkpoint, quant)
         if self._gguf_head is not None:
             return self._gguf_head
         if fused and quant.at_load and model.lm_head.weight.device.type == "cpu":

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from tandem.models.cpu_kernels import load_library
 
-PANEL_GEMM_ABI = 2
+PANEL_GEMM_ABI = 3
 #: Output columns per packed panel.
 PANEL = 16
 

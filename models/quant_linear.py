@@ -74,12 +74,31 @@ def _panels(per_row: torch.Tensor) -> torch.Tensor:
 
 
 def pack_codes(weight: QuantizedWeight) -> torch.Tensor:
-    """The kernel's code layout (uint8): int8 `[panels, in, 16]`; int4 `[panels, in/2, 16]`
-    with input 2j in the low nibble and 2j + 1 in the high."""
-    codes = _panels(weight.codes)
-    if weight.bits == 8:
-        return codes
-    return codes[:, 0::2, :] | (codes[:, 1::2, :] << 4)
+    """The kernel's code layout: `[panels, ceil(in / c), 16]` 32-bit words (int32 holding
+    uint32 bits), c = 32 / bits codes per word; word (p, w, col) holds the codes of column
+    p * 16 + col for inputs w * c .. w * c + c - 1, code j in bits [bits * j, bits * (j + 1))
+    (inputs past the end: zero)."""
+    per = 32 // weight.bits
+    codes = _panels(weight.codes)  # [panels, in, 16]
+    panels, inn, _ = codes.shape
+    words = -(-inn // per)
+    padded = codes.new_zeros((panels, words * per, PANEL))
+    padded[:, :inn] = codes
+    lanes = padded.view(panels, words, per, PANEL).to(torch.int64)
+    shifts = torch.arange(per, dtype=torch.int64).view(1, 1, per, 1) * weight.bits
+    packed = (lanes << shifts).sum(dim=2)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # uint32 bits in int32
+    return packed.to(torch.int32).contiguous()
+
+
+def unpack_codes(words: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """`[..., ceil(in / c)]` words -> `[..., in]` uint8 codes (the inverse of `pack_codes`
+    for one column's words)."""
+    per = 32 // bits
+    values = words.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(per, dtype=torch.int64) * bits
+    codes = (values[..., None] >> shifts) & ((1 << bits) - 1)
+    return codes.flatten(-2)[..., :in_features].to(torch.uint8)
 
 
 class QuantLinear:
@@ -99,6 +118,13 @@ class QuantLinear:
             _warn_fallback()
             self.weight = weight.dequantize()
             return
+        per = 32 // weight.bits
+        groups = -(-self.in_features // weight.group_size)
+        if weight.group_size % per and groups > 1:
+            raise ValueError(
+                f"QuantLinear: groups of {weight.group_size} inputs do not hold whole "
+                f"{per}-code words of {weight.bits}-bit codes"
+            )
         self.codes = pack_codes(weight)
         self.scales = _panels(weight.scales.float())
         self.mins = _panels(weight.mins.float()) if weight.mins is not None else None
@@ -153,11 +179,7 @@ class QuantLinear:
         assert self.codes is not None and self.scales is not None
         ids = ids.to(torch.long)
         panel, col = ids // PANEL, ids % PANEL
-        codes = self.codes[panel, :, col]  # [T, in] or [T, in/2]
-        if self.bits == 8:
-            values = codes.float()
-        else:
-            values = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(1).float()
+        values = unpack_codes(self.codes[panel, :, col], self.bits, self.in_features).float()
         scales = self.scales[panel, :, col].repeat_interleave(self.group_size, dim=1)
         product = scales[:, : self.in_features] * values
         if self.mins is None:

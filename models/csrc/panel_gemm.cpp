@@ -428,75 +428,70 @@ void gemm(const float* x, int64_t ldx, const void* packed, const float* bias, fl
 // Quantized weights: weight-only int8 / int4 codes, group-wise affine, float32 compute.
 //
 //   w[col][kk] = scale[g][col] * code[col][kk] + min[g][col]   (g = kk / group; no min:
-//                                                               symmetric)
+//                                                               zero)
 //
-// Per 16-column panel p (columns past n have zero codes and scales):
-//   int8 codes  [p][k][16]      uint8 0..255, position c of a (panel, k) row is column
-//                               p * 16 + c (signed formats are stored + 128, the min - 128 s)
-//   int4 codes  [p][k / 2][16]  uint8: k even in the low nibble, k odd in the high (0..15);
-//                               k and group even
-//   scales, mins [p][groups][16] float32, groups = ceil(k / group) (the last may be short)
+// Codes are unsigned (0..255 or 0..15; signed formats are stored offset, their min taking
+// the offset back). Per 16-column panel p (columns past n have zero codes and scales), in
+// "lanes": one 32-bit word per column holds kLaneCodes = 32 / bits consecutive k of that
+// column, code j of the word in bits [bits * j, bits * (j + 1)):
+//   codes  [p][ceil(k / kLaneCodes)][16] uint32   (k past the end: zero codes)
+//   scales, mins [p][groups][16] float32, groups = ceil(k / group); group a multiple of
+//   kLaneCodes (or one group)
+// A word's codes come out with a shift and a mask in each 32-bit lane: no shuffles, the
+// integers already where `cvtdq2ps` wants them.
 //
 // Every format packed here has fp16 scales (GGUF's, or rounded to fp16 when quantizing), so
-// scale * code is exact in float32 (11 + 8 significant bits at most) and the FMA
+// scale * code is exact in float32 (11 + 8 significant bits at most) and the FMA of
 // `scale * code + min` rounds once, as a separate multiply and add does: each weight the
 // kernel uses is bit for bit the float reference's dequantized weight; only the summation
 // order of the products differs.
 //
 // Up to kQDirectRows rows (decode) a tile dequantizes each k row of 16 weights in registers
-// for its rows' FMAs, two k at a time into two accumulator sets. Above, each item
-// dequantizes a panel once into a float32 panel (thread-local) and runs the float32 tiles
-// over its rows: the dequantization is amortised over the rows.
+// for its rows' FMAs (two accumulator sets, even and odd k). Above, each item dequantizes a
+// panel once into a float32 panel (thread-local) and runs the float32 tiles over its rows:
+// the dequantization is amortised over the rows.
 
 constexpr int64_t kQDirectRows = 4;
 
 struct QGemm {
   const float* x;
   int64_t ldx;
-  const uint8_t* codes;
+  const uint32_t* codes;
   const float* scales;
-  const float* mins;  // null: symmetric
+  const float* mins;  // null: zero
   const float* bias;
   float* y;
   int64_t ldy, m, n, k, group;
   int bits;
+  int64_t lane_codes() const { return 32 / bits; }
+  int64_t words() const { return (k + lane_codes() - 1) / lane_codes(); }
   int64_t groups() const { return (k + group - 1) / group; }
-  const uint8_t* panel_codes(int64_t p) const {
-    return codes + p * (bits == 8 ? k : k / 2) * kPanel;
-  }
+  const uint32_t* panel_codes(int64_t p) const { return codes + p * words() * kPanel; }
   const float* panel_scales(int64_t p) const { return scales + p * groups() * kPanel; }
   const float* panel_mins(int64_t p) const {
     return mins != nullptr ? mins + p * groups() * kPanel : nullptr;
   }
 };
 
-inline float q_code(const QGemm& g, const uint8_t* codes, int64_t kk, int64_t pos) {
-  if (g.bits == 8) return static_cast<float>(codes[kk * kPanel + pos]);
-  const uint8_t byte = codes[(kk / 2) * kPanel + pos];
-  return static_cast<float>((kk & 1) ? (byte >> 4) : (byte & 15));
-}
-
 // Panel p's weights as float32 [k][16] (the F32 panel layout), plain loops.
 void q_dequant_panel_portable(const QGemm& g, int64_t p, float* out) {
-  const uint8_t* codes = g.panel_codes(p);
+  const uint32_t* codes = g.panel_codes(p);
   const float* scales = g.panel_scales(p);
   const float* mins = g.panel_mins(p);
+  const int64_t per = g.lane_codes();
+  const uint32_t mask = (1u << g.bits) - 1u;
   for (int64_t kk = 0; kk < g.k; ++kk) {
     const int64_t at = (kk / g.group) * kPanel;
+    const int shift = static_cast<int>((kk % per) * g.bits);
     for (int64_t pos = 0; pos < kPanel; ++pos) {
-      const float product = scales[at + pos] * q_code(g, codes, kk, pos);
+      const float code = static_cast<float>((codes[(kk / per) * kPanel + pos] >> shift) & mask);
+      const float product = scales[at + pos] * code;
       out[kk * kPanel + pos] = mins != nullptr ? product + mins[at + pos] : product;
     }
   }
 }
 
 #if TANDEM_PANEL_AVX2
-// 16 unsigned bytes -> two vectors of 8 floats (columns 0..7, 8..15).
-inline void q_widen(__m128i bytes, __m256& lo, __m256& hi) {
-  lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-  hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
-}
-
 struct QGroup {
   __m256 s0, s1, m0, m1;
 };
@@ -515,8 +510,14 @@ inline QGroup q_group(const float* scales, const float* mins, int64_t gi) {
   return out;
 }
 
-template <bool HasMin>
-inline void q_affine(const QGroup& grp, __m256& lo, __m256& hi) {
+// Code j of the 16 words (two vectors), dequantized.
+template <int Bits, bool HasMin>
+inline void q_lane_row(__m256i w0, __m256i w1, int j, const QGroup& grp, __m256& lo,
+                       __m256& hi) {
+  const __m256i mask = _mm256_set1_epi32((1 << Bits) - 1);
+  const __m128i shift = _mm_cvtsi32_si128(j * Bits);
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w0, shift), mask));
+  hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w1, shift), mask));
   if constexpr (HasMin) {
     lo = _mm256_fmadd_ps(lo, grp.s0, grp.m0);
     hi = _mm256_fmadd_ps(hi, grp.s1, grp.m1);
@@ -526,56 +527,24 @@ inline void q_affine(const QGroup& grp, __m256& lo, __m256& hi) {
   }
 }
 
-// The dequantized k rows kk and kk + 1 (16 weights each) of a panel.
-template <int Bits, bool HasMin>
-inline void q_rows2(const uint8_t* codes, int64_t kk, const QGroup& grp, __m256& a0,
-                    __m256& a1, __m256& b0, __m256& b1) {
-  if constexpr (Bits == 4) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kk / 2 * kPanel));
-    const __m128i mask = _mm_set1_epi8(15);
-    q_widen(_mm_and_si128(raw, mask), a0, a1);
-    q_widen(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), b0, b1);
-  } else {
-    q_widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kk * kPanel)), a0, a1);
-    q_widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (kk + 1) * kPanel)),
-                  b0, b1);
-  }
-  q_affine<HasMin>(grp, a0, a1);
-  q_affine<HasMin>(grp, b0, b1);
-}
-
-// One dequantized k row (int8 only: int4 rows come in pairs).
-template <bool HasMin>
-inline void q_row8(const uint8_t* codes, int64_t kk, const QGroup& grp, __m256& a0, __m256& a1) {
-  q_widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kk * kPanel)), a0, a1);
-  q_affine<HasMin>(grp, a0, a1);
-}
-
 template <int Bits, bool HasMin>
 void q_dequant_panel_avx2(const QGemm& g, int64_t p, float* out) {
-  const uint8_t* codes = g.panel_codes(p);
+  constexpr int kPer = 32 / Bits;
+  const uint32_t* codes = g.panel_codes(p);
   const float* scales = g.panel_scales(p);
   const float* mins = g.panel_mins(p);
-  for (int64_t gi = 0, k0 = 0; k0 < g.k; ++gi, k0 += g.group) {
-    const QGroup grp = q_group<HasMin>(scales, mins, gi);
-    const int64_t k1 = std::min(g.k, k0 + g.group);
-    int64_t kk = k0;
-    for (; kk + 1 < k1; kk += 2) {
-      __m256 a0, a1, b0, b1;
-      q_rows2<Bits, HasMin>(codes, kk, grp, a0, a1, b0, b1);
-      float* dst = out + kk * kPanel;
-      _mm256_storeu_ps(dst, a0);
-      _mm256_storeu_ps(dst + 8, a1);
-      _mm256_storeu_ps(dst + 16, b0);
-      _mm256_storeu_ps(dst + 24, b1);
-    }
-    if constexpr (Bits == 8) {
-      if (kk < k1) {
-        __m256 a0, a1;
-        q_row8<HasMin>(codes, kk, grp, a0, a1);
-        _mm256_storeu_ps(out + kk * kPanel, a0);
-        _mm256_storeu_ps(out + kk * kPanel + 8, a1);
-      }
+  QGroup grp = q_group<HasMin>(scales, mins, 0);
+  for (int64_t word = 0, k0 = 0; k0 < g.k; ++word, k0 += kPer) {
+    if (k0 % g.group == 0) grp = q_group<HasMin>(scales, mins, k0 / g.group);
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + word * kPanel));
+    const __m256i w1 =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + word * kPanel + 8));
+    const int count = static_cast<int>(std::min<int64_t>(kPer, g.k - k0));
+    for (int j = 0; j < count; ++j) {
+      __m256 lo, hi;
+      q_lane_row<Bits, HasMin>(w0, w1, j, grp, lo, hi);
+      _mm256_storeu_ps(out + (k0 + j) * kPanel, lo);
+      _mm256_storeu_ps(out + (k0 + j) * kPanel + 8, hi);
     }
   }
 }
@@ -583,6 +552,7 @@ void q_dequant_panel_avx2(const QGemm& g, int64_t p, float* out) {
 // MR rows x 16 columns of panel p over all of k, weights dequantized in registers.
 template <int MR, int Bits, bool HasMin>
 void q_tile_direct(const QGemm& g, int64_t m0, int64_t p) {
+  constexpr int kPer = 32 / Bits;
   const int64_t n0 = p * kPanel;
   const int64_t cols = std::min(kPanel, g.n - n0);
   __m256 acc[2][MR][2];
@@ -597,36 +567,40 @@ void q_tile_direct(const QGemm& g, int64_t m0, int64_t p) {
   const float* xr[MR];
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i) xr[i] = g.x + (m0 + i) * g.ldx;
-  const uint8_t* codes = g.panel_codes(p);
+  const uint32_t* codes = g.panel_codes(p);
   const float* scales = g.panel_scales(p);
   const float* mins = g.panel_mins(p);
-  for (int64_t gi = 0, k0 = 0; k0 < g.k; ++gi, k0 += g.group) {
-    const QGroup grp = q_group<HasMin>(scales, mins, gi);
-    const int64_t k1 = std::min(g.k, k0 + g.group);
-    int64_t kk = k0;
-    for (; kk + 1 < k1; kk += 2) {
-      __m256 a0, a1, b0, b1;
-      q_rows2<Bits, HasMin>(codes, kk, grp, a0, a1, b0, b1);
+  const int64_t full = g.k / kPer * kPer;  // k in whole words
+  QGroup grp = q_group<HasMin>(scales, mins, 0);
+  for (int64_t k0 = 0; k0 < full; k0 += kPer) {
+    if (k0 % g.group == 0) grp = q_group<HasMin>(scales, mins, k0 / g.group);
+    const uint32_t* word = codes + (k0 / kPer) * kPanel;
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(word));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(word + 8));
+#pragma GCC unroll 8
+    for (int j = 0; j < kPer; ++j) {
+      __m256 lo, hi;
+      q_lane_row<Bits, HasMin>(w0, w1, j, grp, lo, hi);
 #pragma GCC unroll 4
       for (int i = 0; i < MR; ++i) {
-        const __m256 xa = _mm256_broadcast_ss(xr[i] + kk);
-        const __m256 xb = _mm256_broadcast_ss(xr[i] + kk + 1);
-        acc[0][i][0] = _mm256_fmadd_ps(xa, a0, acc[0][i][0]);
-        acc[0][i][1] = _mm256_fmadd_ps(xa, a1, acc[0][i][1]);
-        acc[1][i][0] = _mm256_fmadd_ps(xb, b0, acc[1][i][0]);
-        acc[1][i][1] = _mm256_fmadd_ps(xb, b1, acc[1][i][1]);
+        const __m256 xv = _mm256_broadcast_ss(xr[i] + k0 + j);
+        acc[j & 1][i][0] = _mm256_fmadd_ps(xv, lo, acc[j & 1][i][0]);
+        acc[j & 1][i][1] = _mm256_fmadd_ps(xv, hi, acc[j & 1][i][1]);
       }
     }
-    if constexpr (Bits == 8) {
-      if (kk < k1) {
-        __m256 a0, a1;
-        q_row8<HasMin>(codes, kk, grp, a0, a1);
-#pragma GCC unroll 4
-        for (int i = 0; i < MR; ++i) {
-          const __m256 xa = _mm256_broadcast_ss(xr[i] + kk);
-          acc[0][i][0] = _mm256_fmadd_ps(xa, a0, acc[0][i][0]);
-          acc[0][i][1] = _mm256_fmadd_ps(xa, a1, acc[0][i][1]);
-        }
+  }
+  if (full < g.k) {  // a last, partial word
+    if (full % g.group == 0) grp = q_group<HasMin>(scales, mins, full / g.group);
+    const uint32_t* word = codes + (full / kPer) * kPanel;
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(word));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(word + 8));
+    for (int j = 0; j < static_cast<int>(g.k - full); ++j) {
+      __m256 lo, hi;
+      q_lane_row<Bits, HasMin>(w0, w1, j, grp, lo, hi);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xv = _mm256_broadcast_ss(xr[i] + full + j);
+        acc[0][i][0] = _mm256_fmadd_ps(xv, lo, acc[0][i][0]);
+        acc[0][i][1] = _mm256_fmadd_ps(xv, hi, acc[0][i][1]);
       }
     }
   }
@@ -720,7 +694,7 @@ void q_run(const QGemm& g, int threads, bool portable) {
 
 }  // namespace
 
-extern "C" int tandem_panel_gemm_abi_version() { return 2; }
+extern "C" int tandem_panel_gemm_abi_version() { return 3; }
 
 // 1 when the AVX2/FMA tile is compiled in, 0 when only the portable loops are.
 extern "C" int tandem_panel_gemm_vectorized() { return TANDEM_PANEL_AVX2; }
@@ -754,7 +728,7 @@ extern "C" void tandem_bf16_gemm(const float* x, int64_t ldx, const uint16_t* pa
 }
 
 // Quantized weights (see "Quantized weights" above). bits: 4 or 8; mins may be null.
-extern "C" void tandem_q_gemm(const float* x, int64_t ldx, const uint8_t* codes,
+extern "C" void tandem_q_gemm(const float* x, int64_t ldx, const uint32_t* codes,
                               const float* scales, const float* mins, const float* bias,
                               float* y, int64_t ldy, int64_t m, int64_t n, int64_t k,
                               int64_t group, int bits, int threads, int portable) {
@@ -763,7 +737,7 @@ extern "C" void tandem_q_gemm(const float* x, int64_t ldx, const uint8_t* codes,
 }
 
 // Panel p of the quantized weight dequantized into out [k][16] (tests).
-extern "C" void tandem_q_dequant_panel(const uint8_t* codes, const float* scales,
+extern "C" void tandem_q_dequant_panel(const uint32_t* codes, const float* scales,
                                        const float* mins, int64_t n, int64_t k, int64_t group,
                                        int bits, int64_t p, float* out, int portable) {
   const QGemm g{nullptr, 0, codes, scales, mins, nullptr, nullptr, 0, 0, n, k, group, bits};

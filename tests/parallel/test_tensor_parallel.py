@@ -65,6 +65,19 @@ def test_two_ranks_give_one_ranks_greedy_tokens(
     assert _scheduler(one).num_preemptions > 0 and _scheduler(two).num_preemptions > 0
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_shards_give_one_ranks_tokens(
+    mode: str, tiny_dirs: dict[str, Path], closing: list[LLM]
+) -> None:
+    """Each rank quantizes its own shard at load: rows of Q/K/V, gate/up and the LM head,
+    whole groups of 32 columns of O and down, so the ranks hold exactly one rank's codes
+    and scales, split."""
+    one, two = _pair(tiny_dirs["llama"], closing, quantization=mode, **TIGHT)
+    assert _tokens(two, GREEDY) == _tokens(one, GREEDY)
+    described = two.engine.executor.collective_rpc("describe")
+    assert [d["quantization"] for d in described] == [mode, mode]
+
+
 def test_two_ranks_under_async_scheduling(tiny_dirs: dict[str, Path], closing: list[LLM]) -> None:
     one, two = _pair(tiny_dirs["llama"], closing, async_scheduling=True, **TIGHT)
     assert two.config.scheduler.async_scheduling is True

@@ -64,7 +64,9 @@ def teacher_forced(mode: str, chunk: int) -> tuple[list[int], list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", default="none,auto,int8-g0,int8-g32,int8-g64,int4-g32,int4-g64,int4-g128")
+    parser.add_argument(
+        "--modes", default="none,auto,int8-g0,int8-g32,int8-g64,int4-g32,int4-g64,int4-g128"
+    )
     parser.add_argument("--chunk", type=int, default=256, help="tokens per teacher-forced prompt")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()

@@ -69,9 +69,9 @@ def workloads() -> dict[str, dict[str, Any]]:
 
 
 def peak_rss_mb() -> float:
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return max(own, children) / 1024
+    """This process's peak (the worker runs in it; child processes such as a first run's
+    kernel compile are not the engine's memory)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def current_rss_mb() -> float:

@@ -35,7 +35,11 @@ from tandem.models.packed_linear import PackedLinear
 from tandem.models.paged_attention import ATTENTION_NAME, build_metadata
 from tandem.models.quant_linear import LinearQuantization, QuantEmbedding, QuantLinear
 from tandem.models.tensor_parallel import check_divisible, kv_heads_per_rank, vocab_shard
-from tandem.models.weight_release import own_remaining_parameters, release_parameters
+from tandem.models.weight_release import (
+    own_remaining_parameters,
+    release_parameters,
+    return_freed_memory,
+)
 
 logger = logging.getLogger("tandem.model")
 
@@ -236,15 +240,22 @@ def _load_gguf_kept(
 
 
 def _load_causal_lm(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, rank: RankInfo
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    rank: RankInfo,
+    layer_by_layer: bool = False,
 ) -> tuple[torch.nn.Module, CheckpointShards | None]:
     """The HF model on `device` and, where this rank reads only its share, the reader the
     fused decoder and the LM head read the rest of it from. A rank of several over
     safetensors weights that name every parameter gets a skeleton (`_skeleton`) with the
-    modules it keeps as they are read (`_read_kept_modules`); else the whole model loads."""
+    modules it keeps as they are read (`_read_kept_modules`); so does one rank with
+    `layer_by_layer` (weights quantized at load: each layer is read, quantized and dropped,
+    so the float model is never whole in memory); else the whole model loads."""
     from transformers import AutoModelForCausalLM
 
-    if (rank.tp_size > 1 or rank.pp_size > 1) and safetensors_files(model_dir):
+    several = rank.tp_size > 1 or rank.pp_size > 1
+    if (several or layer_by_layer) and safetensors_files(model_dir):
         checkpoint = CheckpointShards(model_dir, dtype, device)
         skeleton = _skeleton(model_dir, dtype, device)
         missing = [n for n, _ in skeleton.named_parameters() if not checkpoint.has(n)]
@@ -306,7 +317,9 @@ class HFStepModel:
             if kept is not None:
                 self.model, checkpoint, self._gguf_head = kept
             else:
-                self.model, checkpoint = _load_causal_lm(model_dir, dtype, device, self.rank)
+                self.model, checkpoint = _load_causal_lm(
+                    model_dir, dtype, device, self.rank, quant.at_load and fused
+                )
         #: Which weights are quantized, as `model.quantization` resolved for this model.
         self.quantization = (
             "gguf:" + ",".join(sorted(checkpoint.kept_types))
@@ -341,6 +354,8 @@ class HFStepModel:
         self.bytes_read = (
             checkpoint.close() if checkpoint is not None else checkpoint_bytes(model_dir)
         )
+        if quant.at_load or isinstance(checkpoint, GGUFShards):
+            return_freed_memory()  # the float / unpacked temporaries of quantizing
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         if decode_kernel is not None and (dtype not in KERNEL_POOL_DTYPES or device.type != "cpu"):
             raise ValueError("the CPU decode kernel needs float32 or bfloat16 on the CPU")

@@ -84,11 +84,15 @@ def pack_codes(weight: QuantizedWeight) -> torch.Tensor:
     words = -(-inn // per)
     padded = codes.new_zeros((panels, words * per, PANEL))
     padded[:, :inn] = codes
-    lanes = padded.view(panels, words, per, PANEL).to(torch.int64)
-    shifts = torch.arange(per, dtype=torch.int64).view(1, 1, per, 1) * weight.bits
-    packed = (lanes << shifts).sum(dim=2)
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # uint32 bits in int32
-    return packed.to(torch.int32).contiguous()
+    lanes = padded.view(panels, words, per, PANEL)
+    packed = torch.zeros((panels, words, PANEL), dtype=torch.int32)
+    for j in range(per):  # one code position at a time: temporaries of 4 bytes per word
+        code = lanes[:, :, j, :].to(torch.int32)
+        if weight.bits * (j + 1) == 32:  # the word's last code holds bit 31: shift its
+            half = 1 << (weight.bits - 1)  # two's-complement value instead of overflowing
+            code = torch.where(code >= half, code - 2 * half, code)
+        packed |= code << (weight.bits * j)
+    return packed
 
 
 def unpack_codes(words: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ blocks repacked as integers and scales, no float round trip).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -160,12 +161,29 @@ def _affine_grid(
     return codes, scales, mins
 
 
+#: Rows quantized at a time: the float temporaries of one block stay a few MB.
+_ROW_BLOCK = 2048
+
+
+def _by_row_blocks(quantize: Any, weight: torch.Tensor, *args: Any) -> QuantizedWeight:
+    """`quantize(weight, *args)` applied to blocks of `_ROW_BLOCK` rows, stacked (every
+    format here is per row, so the result is the same as one call's)."""
+    if weight.shape[0] <= _ROW_BLOCK:
+        return quantize(weight, *args)
+    parts = [quantize(block, *args) for block in weight.split(_ROW_BLOCK)]
+    return QuantizedWeight.cat(parts)
+
+
 def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
     """int8 weights. `group_size` None: symmetric per output channel (vLLM's W8 per-channel):
     scale = max|w| / 127 (float16), codes round(w / scale) in [-127, 127]. A group size:
     per group of that many inputs, whichever of that symmetric grid and the min/max grid
     (scale = (max - min) / 255, min) has the smaller squared error: a weight already on a
     4- or 8-bit grid (a GGUF's, dequantized) is then re-expressed (nearly) exactly."""
+    return _by_row_blocks(_quantize_int8, weight, group_size)
+
+
+def _quantize_int8(weight: torch.Tensor, group_size: int | None) -> QuantizedWeight:
     w = _finite(weight)
     out, inn = w.shape
     grouped = w[:, None, :] if group_size is None else _grouped(w, group_size)
@@ -198,6 +216,10 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight
         raise ValueError(
             f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {group_size}"
         )
+    return _by_row_blocks(_quantize_int4, weight, group_size)
+
+
+def _quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedWeight:
     w = _finite(weight)
     codes, scales, mins = _affine_grid(_grouped(w, group_size), 15)
     codes = codes.reshape(w.shape[0], -1)[:, : w.shape[1]].to(torch.uint8)

@@ -45,3 +45,22 @@ def own_remaining_parameters(model: torch.nn.Module) -> None:
             for name, buf in list(module.named_buffers(recurse=False)):
                 if buf is not None and buf.device.type == "cpu":
                     setattr(module, name, buf.clone())
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's freed pages back to the OS (glibc's `malloc_trim`; nothing elsewhere).
+
+    Building quantized layers reads, converts and drops float tensors layer by layer; glibc
+    keeps much of that freed memory in its heap (its mmap threshold grows after large frees),
+    so a process that never holds the float model whole would still show its size as
+    resident. Called once after the model is built."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        return

@@ -45,7 +45,7 @@ from tandem.models.tensor_parallel import (
     kv_heads_per_rank,
     kv_split,
 )
-from tandem.models.weight_release import release_parameters
+from tandem.models.weight_release import release_parameters, return_freed_memory
 
 _TORCH = TorchElementwise()
 
@@ -313,6 +313,8 @@ class FusedDecoder:
             )
             self.layers.append(_take_layer(i, weights, self.bf16_cpu, tp, cfg, quant))
             release_parameters(hf_layer.modules())
+            if checkpoint is not None:  # each layer's read and converted temporaries
+                return_freed_memory()
         release_parameters(
             m for j, layer in enumerate(model.layers) if j not in stage for m in layer.modules()
         )

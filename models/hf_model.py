@@ -236,6 +236,7 @@ def _load_gguf_kept(
     if not shards.kept_types:
         return None
     head = _read_quantized_table(skeleton, shards, rank)
+    return_freed_memory()  # the table's unpacked temporaries (the largest tensor)
     return skeleton, shards, head
 
 

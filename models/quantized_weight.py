@@ -243,8 +243,8 @@ def from_gguf_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> Qua
 
     scale = half(0)
     if kind == "Q8_0":
-        signed = blocks[..., 2:].contiguous().view(torch.int8).reshape(out, inn)
-        codes = (signed.to(torch.int16) + 128).to(torch.uint8)
+        # int8 two's complement with its sign bit flipped is q + 128 (uint8), exactly
+        codes = (blocks[..., 2:] ^ 0x80).reshape(out, inn)
         return QuantizedWeight(codes, scale, -128 * scale, 8, _GGUF_BLOCK, kind)
     nibbles = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
     # byte j of a block: element j in the low nibble, element j + 16 in the high

@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+from tandem.core.clock import WALL_CLOCK, Clock
 from tandem.core.executor import Executor, make_executor
 from tandem.core.live_requests import LiveRequests
 from tandem.core.model_runner_output import ModelRunnerOutput, resolve_output
@@ -52,16 +53,20 @@ class EngineCore:
     """
 
     def __init__(
-        self, config: EngineConfig, executor: Executor | None = None, source: str | None = None
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        source: str | None = None,
+        clock: Clock = WALL_CLOCK,
     ) -> None:
-        self.config = config
+        self.config, self.clock = config, clock  # every plugin gets the clock (`plugin.clock`)
         self.max_model_len, self.vocab_size = config.max_model_len, config.model.vocab_size
         source = source if source is not None else config.source
         # The executor first: its ranks may shrink the planned KV pool to what their memory
         # holds (`cache.num_kv_blocks`), which the scheduler's KV manager then gets.
         self.executor = executor if executor is not None else make_executor(config)
         try:
-            self.plugin_manager = TandemPluginManager(config, side="engine", source=source)
+            self.plugin_manager = TandemPluginManager(config, "engine", source, clock)
         except BaseException:
             self.executor.shutdown()
             raise

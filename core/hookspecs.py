@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from tandem.core.waiting_queue import WaitingQueue
     from tandem.core.worker.draft_context import DraftContext
     from tandem.core.worker.sampling_metadata import SamplingMetadata
+    from tandem.core.worker.step_shape import StepShape
     from tandem.schema.config import EngineConfig
 
 PROJECT = "tandem"
@@ -344,6 +345,12 @@ class WorkerHookSpecs(KVConnectorWorkerSpecs):
         alike). Under pipeline parallelism only the last stage calls it; its proposals
         reach the earlier stages with the step's sampled ids.
         """
+
+    @hookspec(firstresult=True)
+    def step_cost(self, step: StepShape) -> float | None:
+        """Seconds the simulated device takes to run `step` (a cost model). Caller: the
+        simulated executor, once per step; first result wins, None defers to the next
+        plugin and, when none answers, to the roofline of `parallel.simulated_device`."""
 
 
 HOOK_SPECS: tuple[type[Any], ...] = (EngineHookSpecs, WorkerHookSpecs)

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import pluggy
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from tandem.core.clock import WALL_CLOCK, Clock
 from tandem.core.hookspecs import PROJECT, EngineHookSpecs, WorkerHookSpecs
 from tandem.core.plugin_error import HookSite, PluginError, definition_site, failing_hook
 from tandem.schema.config import ConfigError, EngineConfig, PluginSpec
@@ -78,6 +79,8 @@ class TandemPlugin:
     #: cross-cutting (tracing, invariant checks): the config flag that attaches it to every
     #: engine; its class method `attach(engine)` registers it on the engine's manager.
     attached_by: ClassVar[str | None] = None
+    #: The engine's clock (`core/clock.py`), set by the plugin manager after construction.
+    clock: Clock = WALL_CLOCK
 
     def __init__(self, config: EngineConfig, options: BaseModel) -> None:
         self.config = config
@@ -208,7 +211,11 @@ class TandemPluginManager(pluggy.PluginManager):
     (`stack_of`: resolved once on the front door, shared by both sides)."""
 
     def __init__(
-        self, config: EngineConfig, side: str = "engine", source: str = "<config>"
+        self,
+        config: EngineConfig,
+        side: str = "engine",
+        source: str = "<config>",
+        clock: Clock = WALL_CLOCK,
     ) -> None:
 
         super().__init__(PROJECT)
@@ -224,6 +231,7 @@ class TandemPluginManager(pluggy.PluginManager):
                 continue
             try:
                 instance = entry.cls(config, entry.options)
+                instance.clock = clock  # the engine's clock, set before the stack starts
             except PluginConfigError:
                 raise
             except Exception as exc:

@@ -23,9 +23,9 @@ Invariants: `num_output_placeholders >= 0`, `num_computed_tokens - num_output_pl
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
+from tandem.core.clock import WALL_CLOCK
 from tandem.schema.sampling_params import SamplingParams
 
 
@@ -65,7 +65,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=WALL_CLOCK.now)
     priority: int = 0
 
     status: RequestStatus = RequestStatus.WAITING

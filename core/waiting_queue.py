@@ -16,7 +16,7 @@ Contract:
 - `discard` removes requests that left the engine while waiting (aborted); requests not
   in the queue are ignored.
 - `advance(now)` is called once at the start of every `schedule`, before any other call of
-  that step, with `time.monotonic()` (the clock of `Request.arrival_time`): an aging or
+  that step, with the engine clock's `now()` (the clock of `Request.arrival_time`): an aging or
   fairness policy re-keys here. Each call is one scheduler step, so a policy that ages
   by steps counts the calls.
 - `peek` and `pop` are only called on a non-empty queue.

@@ -13,7 +13,6 @@ with it: the WAITING order (`make_waiting_queue`), the preemption victim
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict
@@ -186,7 +185,7 @@ class ReferenceScheduler(TandemPlugin):
 
     @hookimpl
     def schedule(self) -> SchedulerOutput:
-        self.waiting.advance(time.monotonic())
+        self.waiting.advance(self.clock.now())
         not_ready = self.kv_link.not_ready(self.policy_hooks.not_ready())
         plan = StepPlan(self.max_num_batched_tokens, self.config.num_spec_tokens, not_ready)
         self._schedule_running(plan)
@@ -290,7 +289,7 @@ class ReferenceScheduler(TandemPlugin):
             self.kv_link.after_alloc(request, kv, num_external)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
-                self.stats.observe_first_scheduled(request)
+                self.stats.observe_first_scheduled(request, self.clock.now())
             plan.add_new(request, num_new_tokens)
         for request in reversed(skipped):
             self.waiting.prepend(request)

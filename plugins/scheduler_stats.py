@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from tandem.core.request import Request
@@ -22,9 +21,10 @@ class SchedulerStats:
     def __init__(self) -> None:
         self._queue_times: list[float] = []
 
-    def observe_first_scheduled(self, request: Request) -> None:
-        """`request` was just admitted from WAITING for the first time since it arrived."""
-        self._queue_times.append(max(time.monotonic() - request.arrival_time, 0.0))
+    def observe_first_scheduled(self, request: Request, now: float) -> None:
+        """`request` was just admitted from WAITING for the first time since it arrived,
+        at `now` on the engine clock (the clock of `request.arrival_time`)."""
+        self._queue_times.append(max(now - request.arrival_time, 0.0))
 
     def render(self, scheduler: ReferenceScheduler) -> dict[str, object]:
         """The `engine_stats` keys the scheduler owns (see `core/hookspecs.py`).

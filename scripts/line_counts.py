@@ -1,8 +1,10 @@
 """Line counts of the tree against its size limits; prints them and writes JSON.
 
 - kernel: exactly `cat core/*.py | wc -l` (newlines in core/*.py, core/worker/ excluded),
-  limit 1,750 (1,500 until issue 24 added plugin-failure attribution, `plugin_error.py`,
-  to the plugin manager; resolution-time checks live in the front door, `stack_checks.py`);
+  limit 1,900 (1,500 until issue 24 added plugin-failure attribution, `plugin_error.py`,
+  to the plugin manager, 1,825 until issue 27 added the engine's one clock, `clock.py`,
+  and the `step_cost` hookspec; resolution-time checks live in the front door,
+  `stack_checks.py`);
 - files: the 10 largest .py files outside tests (no directory named `tests` in the path;
   virtual environments, build outputs and hidden directories skipped), limit 400 lines;
 - functions: the 10 longest functions in core/, plugins/ and kv/ (ast: from the `def` line
@@ -28,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "line_counts.json"
 #: kernel: 1750 until the kernel took executors by name with `collective_rpc` and the
 #: entry-point scan (issue 25: +~50 lines; the bottom layers no longer reach the front door).
-LIMITS = {"kernel": 1825, "files": 400, "functions": 80}
+LIMITS = {"kernel": 1900, "files": 400, "functions": 80}
 FUNCTION_DIRS = ("core", "plugins", "kv")
 SKIP_DIRS = {"tests", "build", "dist", "node_modules", "__pycache__"}
 TOP = 10

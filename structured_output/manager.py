@@ -49,7 +49,6 @@ Invariant: a ready request's matcher state is exactly its confirmed output prefi
 
 from __future__ import annotations
 
-import time
 from collections.abc import Collection
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -190,7 +189,7 @@ class StructuredOutputManager(TandemPlugin):
             request=request,
             backend=backend,
             future=self.pool.submit(backend, spec),
-            submitted=time.monotonic(),
+            submitted=self.clock.now(),
         )
         self._states[rid] = state
         self._compiling[rid] = state
@@ -241,7 +240,7 @@ class StructuredOutputManager(TandemPlugin):
     @hookimpl
     def poll_finished_requests(self) -> list[PluginFinish] | None:
         if self._compiling:
-            now = time.monotonic()
+            now = self.clock.now()
             for rid, state in list(self._compiling.items()):
                 spec = state.request.sampling_params.structured_outputs
                 assert spec is not None

@@ -357,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
         "rest", nargs=argparse.REMAINDER, help="options of tandem.trace (--out, --requests, ...)"
     )
 
+    sub.add_parser("simulate", help="stacks side by side on a simulated device, on a virtual clock")
     bench = sub.add_parser("bench", help="benchmarks against peers (same weights, same token ids)")
     bench.add_argument(
         "kind",
@@ -400,6 +401,14 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.trace import main as trace_main
 
         return trace_main(argv[1:])
+    if argv[:1] == ["simulate"]:  # its own parser, `--help` included
+        from tandem.simulate.cli import main as simulate_main
+
+        try:
+            return simulate_main(argv[1:])
+        except ValueError as exc:
+            print(f"tandem simulate: error: {exc}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     args.argv = argv  # `serve --disaggregated` passes its flags on to its servers
     from tandem.schema.config import ConfigError

@@ -1,4 +1,6 @@
-"""A simulated device: tokens from the scripted model, time from a cost model.
+"""A simulated device in real time: tokens from the scripted model, time from a cost model
+(`step_cost` hook, else the roofline of `parallel.simulated_device`). For simulated time
+that runs faster than the wall clock, see `virtual_device.py`.
 
 The "device" is one background thread. Each step computes the scripted model's tokens (fast)
 and then sleeps until the step's modelled duration has passed, so the GIL is free and the
@@ -20,8 +22,10 @@ from tandem.core.executor import Executor
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.model_loader import model_loader_for
+from tandem.core.worker.step_shape import step_shape_of
+from tandem.core.worker.virtual_device import roofline_seconds
 from tandem.core.worker.worker import Worker
-from tandem.schema.config import ConfigError, EngineConfig, SimulatedDeviceConfig
+from tandem.schema.config import ConfigError, EngineConfig
 
 
 @dataclass(slots=True)
@@ -30,17 +34,6 @@ class DeviceSpan:
     kind: str  # "execute" or "sample"
     start: float
     end: float
-
-
-def modelled_step_seconds(
-    cost: SimulatedDeviceConfig, num_tokens: int, context_tokens: int
-) -> float:
-    """Roofline time of one step: compute-bound or bandwidth-bound, whichever is slower."""
-    if num_tokens == 0:
-        return 0.0
-    compute = num_tokens * cost.flops_per_token / cost.flops_per_s
-    memory = (cost.weight_bytes + context_tokens * cost.kv_bytes_per_token) / cost.bytes_per_s
-    return max(compute, memory)
 
 
 class SimulatedExecutor(Executor):
@@ -76,12 +69,9 @@ class SimulatedExecutor(Executor):
         return result
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[None]:
-        context = 0
-        for req_id, n in scheduler_output.num_scheduled_tokens.items():
-            context += self._context_before(req_id, scheduler_output) + n
-        seconds = modelled_step_seconds(
-            self.cost, scheduler_output.total_num_scheduled_tokens, context
-        )
+        shape = step_shape_of(scheduler_output)
+        answer = self.worker.plugin_manager.hook.step_cost(step=shape) if shape.num_tokens else 0.0
+        seconds = answer if answer is not None else roofline_seconds(self.cost, shape)
         return self._device.submit(
             self._run_on_device,
             scheduler_output.step_id,
@@ -90,16 +80,6 @@ class SimulatedExecutor(Executor):
             self.worker.execute_model,
             scheduler_output,
         )
-
-    @staticmethod
-    def _context_before(req_id: str, scheduler_output: SchedulerOutput) -> int:
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id == req_id:
-                return new.num_computed_tokens
-        for cached in scheduler_output.scheduled_cached_reqs:
-            if cached.req_id == req_id:
-                return cached.num_computed_tokens
-        return 0
 
     def sample_tokens(self, grammar_bitmask: torch.Tensor | None) -> Future[ModelRunnerOutput]:
         return self._device.submit(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.core.worker.simulated_executor import SimulatedExecutor, modelled_step_seconds
+from tandem.core.worker.simulated_executor import SimulatedExecutor
+from tandem.core.worker.step_shape import StepShape
+from tandem.core.worker.virtual_device import roofline_seconds
 from tandem.schema.config import SimulatedDeviceConfig
 from tandem.schema.sampling_params import SamplingParams
 from tandem.testing import (
@@ -45,14 +47,14 @@ def test_simulated_executor_gives_exact_outputs_and_records_every_step(
 def test_cost_model_is_the_slower_of_compute_and_memory() -> None:
     cost = SimulatedDeviceConfig()
     # One decode token: reading 16 GB of weights dominates 16 GFLOP of compute.
-    one = modelled_step_seconds(cost, num_tokens=1, context_tokens=512)
+    one = roofline_seconds(cost, StepShape(query_lens=(1,), context_lens=(511,)))
     assert one == pytest.approx(
         (cost.weight_bytes + 512 * cost.kv_bytes_per_token) / cost.bytes_per_s
     )
     # A 8192-token prefill is compute-bound.
-    big = modelled_step_seconds(cost, num_tokens=8192, context_tokens=8192)
+    big = roofline_seconds(cost, StepShape(query_lens=(8192,), context_lens=(0,)))
     assert big == pytest.approx(8192 * cost.flops_per_token / cost.flops_per_s)
-    assert modelled_step_seconds(cost, num_tokens=0, context_tokens=0) == 0.0
+    assert roofline_seconds(cost, StepShape(query_lens=(), context_lens=())) == 0.0
 
 
 def test_simulated_executor_refuses_a_real_model() -> None:

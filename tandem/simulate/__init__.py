@@ -1,0 +1,1 @@
+"""tandem simulate: the real plugin stack on a virtual clock."""

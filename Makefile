@@ -41,10 +41,16 @@ test: $(STAMP)
 		--tandem-kv-connector-conformance kvdict
 
 # Long sweeps, never counted as CI; the engine fuzz runs TANDEM_FUZZ_WORKLOADS workloads.
+# TANDEM_TEST_BUDGET=full also runs the CI property tests and fuzz at their full example
+# counts (tests/budget.py; CI runs a quarter of each).
 TANDEM_FUZZ_WORKLOADS ?= 5000
+PROPERTY_TESTS := tests/engine/test_engine_properties.py tests/engine/test_spec_properties.py \
+	tests/engine/test_engine_fence.py tests/kv/test_kv_property.py tests/fuzz/test_fuzz.py \
+	tests/diffusion/test_diffusion_scheduler_scripted.py
 test-slow: $(STAMP)
-	TANDEM_FUZZ_WORKLOADS=$(TANDEM_FUZZ_WORKLOADS) $(BIN)/python -m pytest -q --durations=15 \
-		-m slow tests
+	TANDEM_TEST_BUDGET=full TANDEM_FUZZ_WORKLOADS=$(TANDEM_FUZZ_WORKLOADS) $(BIN)/python -m \
+		pytest -q --durations=15 -m slow tests
+	TANDEM_TEST_BUDGET=full $(BIN)/python -m pytest -q -p no:cacheprovider $(PROPERTY_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing as mp
 import sys
 import threading
 import traceback
@@ -47,6 +46,7 @@ from tandem.core.worker import parallel_state
 from tandem.core.worker.device import resolve_device
 from tandem.core.worker.kv_memory import fit_kv_cache
 from tandem.core.worker.parallel_state import RankInfo
+from tandem.core.worker.process_start import process_context, start_process
 from tandem.core.worker.worker import Worker
 from tandem.schema.config import EngineConfig
 from tandem.schema.sampling_params import SamplingParams
@@ -216,16 +216,14 @@ class WorkerProcess:
         init_method: str | None = None,
         shm_path: str | None = None,
     ) -> None:
-        context = mp.get_context("spawn")
         self.name = name
-        self._conn, child = context.Pipe()
-        self.process = context.Process(
-            target=_worker_main,
-            args=(config, child, rank, init_method, shm_path),
+        self._conn, child = process_context().Pipe()
+        self.process = start_process(
+            _worker_main,
+            (config, child, rank, init_method, shm_path),
             name=f"tandem-{name.replace(' ', '-')}",
             daemon=True,
         )
-        self.process.start()
         child.close()
         self._replies = decoder(FromWorker)
         self._pending: deque[Future] = deque()

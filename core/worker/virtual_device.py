@@ -116,6 +116,7 @@ class VirtualDeviceExecutor(Executor):
         tokens: str = "oracle",
         acceptance_rate: float = 0.0,
         seed: int = 0,
+        parallel: tuple[int, int] | None = None,
     ) -> None:
         if not model_loader_for(config.model.model).simulatable:
             raise ConfigError(
@@ -137,7 +138,7 @@ class VirtualDeviceExecutor(Executor):
             self.oracle = TokenOracle(2, num_spec or 0, acceptance_rate, seed)
             self.cost_hooks = [model.step_cost for model in cost_models(config)]
         self._pending: ModelRunnerOutput | None = None
-        self.parallel = (
+        self.parallel = parallel or (
             config.parallel.tensor_parallel_size,
             config.parallel.pipeline_parallel_size,
         )

@@ -45,11 +45,18 @@ from tandem.stack_file import load_config
 MEMORY_UTILIZATION = 0.9
 
 
+#: The engine CPU time per step `--engine-time modelled` charges unless given: about what
+#: tandem's reference scheduler spends per step and per scheduled request on this class of
+#: host (`benchmarks/simulate_scale.py` profiles it; `tandem simulate calibrate` fits it).
+DEFAULT_ENGINE_TIME = {"step_s": 5e-4, "per_request_s": 2e-5}
+
+
 def parse_engine_time(text: str) -> EngineTime:
-    """`modelled[:step=S,per_request=S]` or `measured[:scale=X]`."""
+    """`modelled[:step=S,per_request=S]` (unset keys: `DEFAULT_ENGINE_TIME`) or
+    `measured[:scale=X]`."""
     mode, _, rest = text.partition(":")
     keys = {"step": "step_s", "per_request": "per_request_s", "scale": "scale"}
-    values: dict[str, float] = {}
+    values: dict[str, float] = dict(DEFAULT_ENGINE_TIME) if mode == "modelled" else {}
     for item in filter(None, rest.split(",")):
         key, _, raw = item.partition("=")
         if key not in keys:
@@ -66,8 +73,6 @@ def stack_config(path: str, args: argparse.Namespace) -> EngineConfig:
     config = load_config(path)
     config.model.model = "scripted"
     config.model.max_model_len = args.max_model_len
-    config.parallel.tensor_parallel_size = args.tp
-    config.parallel.pipeline_parallel_size = args.pp
     if config.plugins is None:
         config.plugins = default_stack(config)
     if not any(
@@ -92,10 +97,14 @@ def cost_options(args: argparse.Namespace) -> dict[str, Any]:
 def kv_blocks(args: argparse.Namespace, block_size: int) -> int:
     """Blocks the device holds after the weights, at `MEMORY_UTILIZATION` (per rank: weights
     and KV heads split over tp, layers over pp)."""
-    from tandem.plugins.cost_models.shapes import device_spec, model_shape
+    from tandem.plugins.cost_models.shapes import ModelShape, device_spec, model_shape
 
     device = device_spec(args.device)
-    shape = model_shape(args.model)
+    if args.model_config:
+        config = json.loads(Path(args.model_config).read_text())
+        shape = ModelShape.from_hf_config(config, name=Path(args.model_config).stem)
+    else:
+        shape = model_shape(args.model)
     ranks = args.tp * args.pp
     free = device.mem_bytes * MEMORY_UTILIZATION - shape.resident_bytes() / ranks
     per_block = shape.kv_bytes_per_token() / ranks * block_size
@@ -120,6 +129,7 @@ def run_stack(
         traffic,
         engine_time=args.engine_time,
         acceptance_rate=args.acceptance,
+        parallel=(args.tp, args.pp),
         progress=bar.update,
         seed=spec.seed,
     )
@@ -155,9 +165,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument(
         "--engine-time",
-        default="modelled:step=0.0005,per_request=0.00002",
-        help="modelled[:step=S,per_request=S] (default step=0.0005,per_request=0.00002) "
-        "or measured[:scale=X]",
+        default="modelled",
+        help="modelled[:step=S,per_request=S] (the default; unset keys: step=0.0005, "
+        "per_request=0.00002) or measured[:scale=X]",
     )
     p.add_argument("--acceptance", type=float, default=0.0, help="draft acceptance rate")
     p.add_argument("--slo-ttft-ms", type=float)
@@ -171,6 +181,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv and argv[0] == "calibrate":
+        from tandem.simulate.calibrate import main as calibrate_main
+
+        return calibrate_main(argv[1:])
     args = parser().parse_args(argv)
     args.engine_time = parse_engine_time(args.engine_time)
     names = args.name or [Path(s).stem for s in args.stack]
@@ -219,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         for n, rate in document["capacity_rate"].items():
             print(f"{n}: capacity {rate if rate is not None else '-'} req/s under the SLO")
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(document, indent=1))
     if args.plot:
-        plot_comparison(results, args.plot, cdfs=cdfs, sweeps=sweeps or None, title=args.traffic)
+        title = args.traffic + (f" (CDFs and KV at rate {rates[-1]:g})" if args.rates else "")
+        plot_comparison(results, args.plot, cdfs=cdfs, sweeps=sweeps or None, title=title)
     return 0

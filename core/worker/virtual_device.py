@@ -117,6 +117,7 @@ class VirtualDeviceExecutor(Executor):
         acceptance_rate: float = 0.0,
         seed: int = 0,
         parallel: tuple[int, int] | None = None,
+        overlap: bool = True,
     ) -> None:
         if not model_loader_for(config.model.model).simulatable:
             raise ConfigError(
@@ -142,6 +143,10 @@ class VirtualDeviceExecutor(Executor):
             config.parallel.tensor_parallel_size,
             config.parallel.pipeline_parallel_size,
         )
+        #: False: the device is the engine's own thread (a CPU engine with the `inprocess`
+        #: executor computes a step before `execute_model` returns): the clock moves to a
+        #: step's end when it is handed over, so engine and device time never overlap.
+        self.overlap = overlap
         self.device_free_at = clock.now()
         self.busy_s, self.num_steps = 0.0, 0
         self.on_step: Any = None
@@ -202,6 +207,8 @@ class VirtualDeviceExecutor(Executor):
             assert self.oracle is not None
             self._pending = self.oracle.step(scheduler_output)
         self.mark()
+        if not self.overlap:
+            self.wait_until(end)
         return DeviceFuture(self, end, None)
 
     def sample_tokens(self, grammar_bitmask: torch.Tensor | None) -> Future[ModelRunnerOutput]:

@@ -130,6 +130,7 @@ def run_stack(
         engine_time=args.engine_time,
         acceptance_rate=args.acceptance,
         parallel=(args.tp, args.pp),
+        overlap=not args.inline_device,
         progress=bar.update,
         seed=spec.seed,
     )
@@ -168,6 +169,12 @@ def parser() -> argparse.ArgumentParser:
         default="modelled",
         help="modelled[:step=S,per_request=S] (the default; unset keys: step=0.0005, "
         "per_request=0.00002) or measured[:scale=X]",
+    )
+    p.add_argument(
+        "--inline-device",
+        action="store_true",
+        help="the device is the engine's own thread (a CPU engine on the inprocess "
+        "executor): engine and device time never overlap",
     )
     p.add_argument("--acceptance", type=float, default=0.0, help="draft acceptance rate")
     p.add_argument("--slo-ttft-ms", type=float)

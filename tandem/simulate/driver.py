@@ -161,6 +161,7 @@ def simulate(
     tokens: str = "oracle",
     acceptance_rate: float = 0.0,
     parallel: tuple[int, int] = (1, 1),
+    overlap: bool = True,
     keep_steps: bool = False,
     sample_every_s: float = 0.1,
     max_steps: int = 50_000_000,
@@ -172,11 +173,12 @@ def simulate(
     call. Closed-loop clients send a client's next request when its previous one ends.
     `tokens` and `acceptance_rate`: see `VirtualDeviceExecutor`; `parallel` = (tensor,
     pipeline) parallel sizes the cost model prices each step with (the simulated engine
-    itself is one rank: parallelism is a cost, not a process layout)."""
+    itself is one rank: parallelism is a cost, not a process layout); `overlap=False`
+    models a device that is the engine's own thread (`VirtualDeviceExecutor.overlap`)."""
     config = simulation_config(config)
     clock = VirtualClock()
     executor = VirtualDeviceExecutor(
-        config, clock, engine_time, tokens, acceptance_rate, seed, parallel
+        config, clock, engine_time, tokens, acceptance_rate, seed, parallel, overlap
     )
     engine = EngineCore(config, executor=executor, clock=clock, source="tandem simulate")
     recorder = _Recorder(clock, keep_steps, sample_every_s)

@@ -62,16 +62,21 @@ out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), u
 report = {"tokens": len(out[0].outputs[0].token_ids)}
 if executor == "inprocess":
     report["cpus"] = [thread_cpus(threads) for _ in range(3)]
-else:  # the CPUs each child process's main thread may run on
+else:  # the CPUs each descendant's main thread may run on (a worker from the fork server
+    # is a grandchild)
     import os, pathlib
-    allowed = []
+    procs = {}
     for status in pathlib.Path("/proc").glob("[0-9]*/status"):
         try:
             fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines())
         except (OSError, ValueError):
             continue
-        if fields.get("PPid", "").strip() == str(os.getpid()):
-            allowed.append(fields["Cpus_allowed_list"].strip())
+        procs[status.parent.name] = fields
+    ours, allowed = {str(os.getpid())}, []
+    for _ in range(3):
+        ours |= {pid for pid, f in procs.items() if f.get("PPid", "").strip() in ours}
+    for pid in ours - {str(os.getpid())}:
+        allowed.append(procs[pid]["Cpus_allowed_list"].strip())
     report["children_allowed"] = allowed
 llm.shutdown()
 print(json.dumps(report))

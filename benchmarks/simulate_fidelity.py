@@ -1,0 +1,351 @@
+"""How well does `tandem simulate` predict the real engine? Predicted vs measured on this CPU.
+
+    python benchmarks/simulate_fidelity.py [--fit FIT.json | --calibrate-seconds 180]
+        [--threads 1] [--requests 48] [--prompt 16,128] [--output 16,64] [--seed 0]
+        [--rates auto | R1,R2,R3] [--modes sync,async]
+
+The embedded SmolLM2 (`model: default`, its default stack), the same trace on both sides:
+Poisson arrivals, prompt and output lengths uniform in the given ranges (one seed: the
+same shapes at every rate; prompt ids drawn afresh per rate, or every run after the first
+would find its prompts in the prefix cache), at three rates (`auto`: 0.5x, 0.8x and 1.5x
+the saturation rate the calibrated simulation predicts for a burst, sync), under
+synchronous and asynchronous scheduling.
+
+- Fit: `tandem simulate calibrate --threads T --max-seconds S` in a child process (or
+  `--fit`), written to benchmarks/results/simulate_fidelity_fit.json.
+- Measured: `fidelity_replay.replay` (open loop through `AsyncLLM`, the engine core in its
+  own process as `tandem serve` runs it; its docstring says why), one engine per mode, a
+  warm-up first, then each rate in turn, with a speed probe (`fidelity_probe`) before and
+  after each run.
+- Predicted: `tandem.simulate.driver.simulate` on the same stack (the scripted model in the
+  real model's place: same vocabulary, max_model_len, KV pool and limits) plus the
+  `calibrated-cost` plugin with the fit, and the fit's `EngineTime`; the same traffic list.
+  Three ways (`PREDICTIONS`): `calibrated` (the virtual device, as `tandem simulate` runs
+  it), `inline` (the inline device: no engine/device overlap, as the `inprocess`
+  executor on a CPU; the same as `calibrated` under sync scheduling) and
+  `inline_normalised` (inline, the device coefficients times the run's probe factor).
+
+Reported per (mode, rate): TTFT p50/p90, TPOT p50/p90, request and output throughput,
+measured and predicted, and predicted / measured. Writes
+benchmarks/results/simulate_fidelity.json. The machine's load average is recorded: the
+measured side shares the CPU with whatever else runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fidelity_probe import SpeedProbe, scaled  # noqa: E402
+from fidelity_replay import replay, warm_up  # noqa: E402
+
+from tandem.config_resolution import default_stack, resolve_config  # noqa: E402
+from tandem.engine.async_llm import AsyncLLM  # noqa: E402
+from tandem.plugins.cost_models.calibrated import CalibrationFit, load_fit, save_fit  # noqa: E402
+from tandem.schema.config import EngineConfig, PluginSpec  # noqa: E402
+from tandem.simulate.driver import simulate  # noqa: E402
+from tandem.simulate.inline_device import simulate_inline  # noqa: E402
+from tandem.simulate.report import RequestTimeline, Slo, summarize  # noqa: E402
+from tandem.simulate.traffic import TrafficRequest, generate, parse_traffic  # noqa: E402
+from tandem.stack_file import load_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+MODES = {"sync": False, "async": True}
+#: Auto rates as multiples of the predicted saturation rate (the last one past it).
+RATE_FACTORS = (0.5, 0.8, 1.5)
+#: (summary key, percentile or None): the figures compared.
+METRICS: tuple[tuple[str, str | None], ...] = (
+    ("ttft_ms", "p50"),
+    ("ttft_ms", "p90"),
+    ("tpot_ms", "p50"),
+    ("tpot_ms", "p90"),
+    ("request_throughput", None),
+    ("output_throughput", None),
+)
+
+
+def calibrate_fit(path: Path, seconds: float, threads: int) -> CalibrationFit:
+    """Run `tandem simulate calibrate` in a child process (its own model copy and memory)."""
+    command = [sys.executable, "-m", "tandem.cli", "simulate", "calibrate", "--out", str(path)]
+    command += ["--threads", str(threads), "--max-seconds", str(seconds)]
+    env = os.environ | {"OMP_NUM_THREADS": str(threads)}
+    subprocess.run(command, check=True, env=env)
+    return load_fit(path)
+
+
+def real_config(async_: bool, threads: int) -> EngineConfig:
+    """The measured stack: the embedded model's defaults, the mode, the threads."""
+    config = load_config(None, model="default", async_scheduling=async_)
+    config.parallel.worker_num_threads = threads
+    return resolve_config(config)
+
+
+def sim_config(real: EngineConfig, fit_path: Path) -> EngineConfig:
+    """The same stack on the simulated device: the scripted model with the real model's
+    vocabulary, EOS, max_model_len, KV pool and limits, plus `calibrated-cost`."""
+    config = load_config(
+        None,
+        model="scripted",
+        vocab_size=real.model.vocab_size,
+        eos_token_id=real.model.eos_token_id,
+        max_model_len=real.max_model_len,
+        max_num_seqs=real.scheduler.max_num_seqs,
+        max_num_batched_tokens=real.scheduler.max_num_batched_tokens,
+        async_scheduling=real.scheduler.async_scheduling,
+        block_size=real.cache.block_size,
+        num_kv_blocks=real.cache.num_kv_blocks,
+        enable_prefix_caching=real.cache.enable_prefix_caching,
+    )
+    config.plugins = default_stack(config) + [
+        PluginSpec(name="calibrated-cost", options={"fit": str(fit_path)})
+    ]
+    return config
+
+
+def traffic_spec(args: argparse.Namespace, rate: float) -> str:
+    return (
+        f"poisson:rate={rate:.6g},n={args.requests},prompt=uniform({args.prompt}),"
+        f"output=uniform({args.output}),seed={args.seed}"
+    )
+
+
+def prompt_seed(args: argparse.Namespace, rate: float, rates: list[float]) -> int:
+    """The seed of a run's prompt ids: one per rate, so no run finds the previous run's
+    prompts in the engine's prefix cache (the simulation starts each run empty)."""
+    return args.seed + 1000 * (1 + rates.index(rate))
+
+
+def traffic_at(args: argparse.Namespace, rate: float, max_model_len: int) -> list[TrafficRequest]:
+    return generate(parse_traffic(traffic_spec(args, rate)), max_model_len)
+
+
+def summary_of(timelines: list[RequestTimeline]) -> dict[str, Any]:
+    ends = [t.finish_s for t in timelines if t.finish_s is not None]
+    return summarize(timelines, duration_s=max(ends, default=0.0), slo=Slo())
+
+
+PREDICTIONS = ("calibrated", "inline", "inline_normalised")
+
+
+def predict(
+    real: EngineConfig,
+    fit: CalibrationFit,
+    traffic: list[TrafficRequest],
+    seed: int,
+    inline: bool,
+    scratch: Path,
+) -> dict[str, Any]:
+    """The simulation's summary of `traffic` with `fit` as the cost model, on the virtual
+    device (`inline` False: what `tandem simulate` runs) or the inline one."""
+    path = scratch / f"fit-{id(fit)}.json"
+    save_fit(fit, path)
+    run = simulate_inline if inline else simulate
+    result = run(sim_config(real, path), traffic, engine_time=fit.engine_time(), seed=seed)
+    return summary_of(result.timelines) | {
+        "device_busy_s": result.busy_s,
+        "steps": result.num_steps,
+    }
+
+
+def saturation_rate(real: EngineConfig, fit: CalibrationFit, args: Any, scratch: Path) -> float:
+    """Requests/s the calibrated simulation completes for the whole trace sent at once."""
+    burst = traffic_at(args, math.inf, real.max_model_len)
+    return predict(real, fit, burst, args.seed, True, scratch)["request_throughput"]
+
+
+def measure(
+    async_: bool,
+    args: argparse.Namespace,
+    traffics: dict[float, list[TrafficRequest]],
+    probe: SpeedProbe,
+    fit: CalibrationFit,
+) -> dict[float, dict[str, Any]]:
+    """Replay each rate's traffic into one `AsyncLLM` of the mode (warmed up first), with
+    a speed probe before and after each run (`factors`: [before, after])."""
+    llm = AsyncLLM(model="default", async_scheduling=async_, worker_num_threads=args.threads)
+    vocab = llm.config.model.vocab_size or 0
+    out: dict[float, dict[str, Any]] = {}
+    rates = list(traffics)
+
+    async def run_all() -> None:
+        await warm_up(llm, vocab)
+        before = probe.factor()
+        for rate, traffic in traffics.items():
+            load = os.getloadavg()[0]
+            run = await replay(llm, traffic, vocab, prompt_seed(args, rate, rates))
+            after = probe.factor()
+            out[rate] = summary_of(run.timelines) | {
+                "wall_s": run.wall_s,
+                "max_send_lateness_s": run.max_send_lateness_s,
+                "load_average_1m_before": load,
+                "probe_factors": [before, after],
+            }
+            before = after
+            print(f"  measured {rate:.3g} req/s: {brief(out[rate])}", flush=True)
+            print(f"    probe factors {out[rate]['probe_factors']}, load {load:.2f}", flush=True)
+
+    try:
+        asyncio.run(run_all())
+    finally:
+        llm.shutdown()
+    return out
+
+
+def metric(summary: dict[str, Any], key: str, pct: str | None) -> float | None:
+    value = summary.get(key)
+    if pct is not None:
+        value = value.get(pct) if isinstance(value, dict) else None
+    return float(value) if value is not None else None
+
+
+def brief(summary: dict[str, Any]) -> str:
+    parts = []
+    for key, pct in METRICS:
+        value = metric(summary, key, pct)
+        parts.append(
+            f"{key.removesuffix('_ms')}{'_' + pct if pct else ''}="
+            + ("-" if value is None else f"{value:.3g}")
+        )
+    return " ".join(parts)
+
+
+def ratios(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for key, pct in METRICS:
+        p, m = metric(predicted, key, pct), metric(measured, key, pct)
+        out[f"{key}{'.' + pct if pct else ''}"] = p / m if p is not None and m else None
+    return out
+
+
+def print_table(rows: list[dict[str, Any]], prediction: str) -> None:
+    heads = ["TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "req/s", "tok/s"]
+    print(f"\n{prediction}: predicted / measured")
+    print(f"{'mode':<6}{'rate':>7}  " + "".join(f"{h:>10}" for h in heads))
+    for row in rows:
+        values = row["ratio"][prediction].values()
+        cells = "".join(f"{v:>10.3f}" if v is not None else f"{'-':>10}" for v in values)
+        print(f"{row['mode']:<6}{row['rate']:>7.3g}  {cells}")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--fit", type=Path, help="an existing fit (default: calibrate first)")
+    p.add_argument("--calibrate-seconds", type=float, default=180.0)
+    p.add_argument("--threads", type=int, default=1, help="worker threads, both sides")
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--prompt", default="16,128", help="uniform prompt length range")
+    p.add_argument("--output", default="16,64", help="uniform output length range")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rates", default="auto", help="auto or a comma list of req/s")
+    p.add_argument("--modes", default="sync,async")
+    p.add_argument("--out", type=Path, default=RESULTS / "simulate_fidelity.json")
+    return p.parse_args()
+
+
+def run_mode(
+    mode: str,
+    args: argparse.Namespace,
+    rates: list[float],
+    fit: CalibrationFit,
+    probe: SpeedProbe,
+    scratch: Path,
+) -> list[dict[str, Any]]:
+    """Measure the mode at every rate, then predict each run three ways (`PREDICTIONS`)."""
+    real = real_config(MODES[mode], args.threads)
+    traffics = {rate: traffic_at(args, rate, real.max_model_len) for rate in rates}
+    print(f"{mode}: measuring", flush=True)
+    measured = measure(MODES[mode], args, traffics, probe, fit)
+    rows = []
+    for rate, traffic in traffics.items():
+        factor = statistics.fmean(measured[rate]["probe_factors"])
+        fits = {"calibrated": (fit, False), "inline": (fit, True)}
+        fits["inline_normalised"] = (scaled(fit, factor), True)
+        predicted = {
+            name: predict(real, f, traffic, prompt_seed(args, rate, rates), inline, scratch)
+            for name, (f, inline) in fits.items()
+        }
+        for name in PREDICTIONS:
+            print(f"  {name} {rate:.3g} req/s: {brief(predicted[name])}", flush=True)
+        rows.append(
+            {
+                "mode": mode,
+                "rate": rate,
+                "traffic": traffic_spec(args, rate),
+                "probe_factor": factor,
+                "measured": measured[rate],
+                "predicted": predicted,
+                "ratio": {n: ratios(predicted[n], measured[rate]) for n in PREDICTIONS},
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    started, load_before = time.monotonic(), os.getloadavg()
+    fit_path = args.fit or RESULTS / "simulate_fidelity_fit.json"
+    if args.fit:
+        fit = load_fit(fit_path)
+    else:
+        fit = calibrate_fit(fit_path, args.calibrate_seconds, args.threads)
+    sync_config = real_config(False, args.threads)
+    probe = SpeedProbe(sync_config)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        saturation = saturation_rate(sync_config, fit, args, scratch)
+        if args.rates == "auto":
+            rates = [round(f * saturation, 3) for f in RATE_FACTORS]
+        else:
+            rates = [float(r) for r in args.rates.split(",")]
+        print(f"predicted saturation {saturation:.3f} req/s; rates {rates}", flush=True)
+        try:
+            for mode in args.modes.split(","):
+                rows += run_mode(mode, args, rates, fit, probe, scratch)
+        finally:
+            probe.close()
+    for name in PREDICTIONS:
+        print_table(rows, name)
+    shown = fit_path.relative_to(ROOT.parent) if fit_path.is_relative_to(ROOT.parent) else fit_path
+    document = {
+        "model": "default (embedded SmolLM2-135M-Instruct)",
+        "device": fit.device,
+        "threads": args.threads,
+        "requests": args.requests,
+        "prompt_uniform": args.prompt,
+        "output_uniform": args.output,
+        "seed": args.seed,
+        "fit": {"path": str(shown)} | {k: v for k, v in fit.to_json().items() if k != "points"},
+        "saturation_rate_predicted": saturation,
+        "rates": rates,
+        "predictions": {
+            "calibrated": "tandem simulate as is: the virtual device, the fit as calibrated",
+            "inline": "the inline device (no engine/device overlap: the inprocess executor)",
+            "inline_normalised": (
+                "inline, device coefficients x the run's probe factor (vs just after calibrating)"
+            ),
+        },
+        "results": rows,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "wall_s": time.monotonic() - started,
+    }
+    args.out.write_text(json.dumps(document, indent=1, default=dataclasses.asdict) + "\n")
+    print(f"wrote {args.out} in {document['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

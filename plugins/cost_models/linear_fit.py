@@ -1,0 +1,134 @@
+"""A step's cost as a non-negative linear function of its shape: the features and the fit.
+
+`tandem simulate calibrate` times real steps and fits, by non-negative least squares
+(`nnls`, Lawson-Hanson's active-set method on numpy), seconds = coef . features(step) with
+these features of a `StepShape` (`FEATURES`, in this order):
+
+- `const`: 1 per step with tokens (launch, input preparation, Python per step);
+- `num_tokens`: tokens computed this step (the linear layers: weights x tokens);
+- `num_reqs`: requests scheduled (per-request gathers, block tables, sampling setup);
+- `decode_kv`: sum over decode requests (query_len == 1) of their context_len (the KV a
+  decode reads: memory-bound attention);
+- `prefill_attn`: sum over longer queries of query_len x (context_len + query_len / 2)
+  (causal attention work of a prefill chunk over its cached context);
+- `num_sampled`: requests that sample (the LM head and the sampler).
+
+Non-negative coefficients keep every prediction >= 0 and non-decreasing in every feature.
+A step without tokens costs 0 (it does not run). Units: features are counts (tokens,
+requests, token pairs); coefficients are seconds per unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem.core.worker.step_shape import StepShape
+
+#: The feature names, in the order of `step_features` and of a fit's coefficients.
+FEATURES: tuple[str, ...] = (
+    "const",
+    "num_tokens",
+    "num_reqs",
+    "decode_kv",
+    "prefill_attn",
+    "num_sampled",
+)
+
+
+def step_features(step: StepShape) -> list[float]:
+    """The `FEATURES` of `step` (all 0.0 for a step without tokens)."""
+    if step.num_tokens == 0:
+        return [0.0] * len(FEATURES)
+    decode_kv = prefill_attn = 0.0
+    for q, c in zip(step.query_lens, step.context_lens, strict=True):
+        if q == 1:
+            decode_kv += c
+        elif q > 1:
+            prefill_attn += q * (c + q / 2)
+    return [
+        1.0,
+        float(step.num_tokens),
+        float(step.num_reqs),
+        decode_kv,
+        prefill_attn,
+        float(step.num_sampled),
+    ]
+
+
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
+    """argmin ||a x - b||_2 subject to x >= 0 (Lawson and Hanson's active-set method).
+
+    `a`: (m, n), `b`: (m,). Returns x of shape (n,). Columns that are all zero get 0.
+    Raises ValueError on mismatched shapes or non-finite input."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if a.ndim != 2 or b.shape != (a.shape[0],):
+        raise ValueError(f"nnls: expected a (m, n) and b (m,), got {a.shape} and {b.shape}")
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        raise ValueError("nnls: a and b must be finite")
+    n = a.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    tol = 10 * np.finfo(float).eps * max(a.shape) * max(np.abs(a).sum(axis=0).max(), 1.0)
+    for _ in range(max_iter or 3 * n + 10):
+        w = a.T @ (b - a @ x)
+        candidates = ~passive & (w > tol)
+        if not candidates.any():
+            break
+        passive[np.argmax(np.where(candidates, w, -np.inf))] = True
+        while True:
+            z = np.zeros(n)
+            if passive.any():
+                z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                break
+            blocking = passive & (z <= 0)
+            step = np.min(x[blocking] / np.maximum(x[blocking] - z[blocking], 1e-300))
+            x = x + step * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+        x = z
+    return np.maximum(x, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class LinearFit:
+    """Non-negative coefficients (one per column) and the fit's quality on its samples:
+    `r2` (coefficient of determination of the seconds, unweighted), `median_abs_rel_error`
+    (median of |predicted - measured| / measured) and `samples` (rows fitted)."""
+
+    coef: tuple[float, ...]
+    r2: float
+    median_abs_rel_error: float
+    samples: int
+
+    def predict(self, row: Sequence[float]) -> float:
+        return float(sum(c * f for c, f in zip(self.coef, row, strict=True)))
+
+
+def fit_nonnegative(
+    rows: Sequence[Sequence[float]], seconds: Sequence[float], relative: bool = True
+) -> LinearFit:
+    """Fit `seconds ~ coef . row` with coef >= 0. `relative`: weigh each row by 1/seconds,
+    so the fit minimises relative errors (steps span milliseconds to seconds; unweighted,
+    the longest steps alone would set it). Columns are scaled to unit maximum before
+    solving (conditioning) and the coefficients scaled back. Needs at least one row and
+    every measured value > 0 (ValueError otherwise)."""
+    a = np.asarray(rows, dtype=float)
+    y = np.asarray(seconds, dtype=float)
+    if a.ndim != 2 or len(a) == 0 or y.shape != (len(a),):
+        raise ValueError("fit: need one row of features per measured time, at least one")
+    if not (y > 0).all():
+        raise ValueError("fit: every measured time must be > 0 seconds")
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    weights = 1.0 / y if relative else np.ones_like(y)
+    coef = nnls(a / scale * weights[:, None], y * weights) / scale
+    predicted = a @ coef
+    residual = float(((y - predicted) ** 2).sum())
+    total = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - residual / total if total > 0 else (1.0 if residual == 0 else 0.0)
+    rel = float(np.median(np.abs(predicted - y) / y))
+    return LinearFit(tuple(float(c) for c in coef), r2, rel, len(y))

@@ -1,0 +1,189 @@
+"""`tandem simulate calibrate` and the `calibrated-cost` plugin: the non-negative fit, the
+fit file, the plugin's answer, and a short real calibration on a tiny random model.
+No test asserts a timing value: only structure, signs and orderings."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tandem.core.plugin_manager import TandemPluginManager
+from tandem.core.worker.step_shape import StepShape
+from tandem.plugins.cost_models.calibrated import (
+    CalibratedCostModel,
+    CalibrationFit,
+    load_fit,
+    save_fit,
+)
+from tandem.plugins.cost_models.linear_fit import FEATURES, fit_nonnegative, nnls, step_features
+from tandem.schema.config import EngineConfig
+from tandem.simulate.cli import main as simulate_main
+from tandem.testing.engine import scripted_config
+
+#: Known coefficients, one per feature (seconds per unit).
+TRUE_COEF = (2e-3, 1.5e-4, 4e-5, 2e-7, 3e-8, 6e-4)
+
+
+def random_shapes(count: int, seed: int = 0) -> list[StepShape]:
+    """Prefills, decodes and mixed steps; num_sampled varies apart from num_reqs."""
+    rng = random.Random(seed)
+    shapes = []
+    for i in range(count):
+        decodes = rng.choice([0, 1, 4, 16, 64]) if i % 3 else 0
+        prefills = rng.choice([0, 1, 2]) if decodes else rng.choice([1, 2])
+        q = [1] * decodes + [rng.randint(2, 1024) for _ in range(prefills)]
+        c = [rng.randint(16, 2048) for _ in range(decodes)]
+        c += [rng.choice([0, 0, 512]) for _ in range(prefills)]
+        shapes.append(StepShape(tuple(q), tuple(c), num_sampled=rng.randint(1, len(q))))
+    return shapes
+
+
+def formula(coef: tuple[float, ...], step: StepShape) -> float:
+    return sum(k * f for k, f in zip(coef, step_features(step), strict=True))
+
+
+def write_fit(path: Path, coef: tuple[float, ...] = TRUE_COEF, **extra: object) -> Path:
+    fit = CalibrationFit(FEATURES, coef, step_s=1e-3, per_request_s=2e-5, model="tiny")
+    save_fit(fit, path)
+    if extra:
+        data = json.loads(path.read_text()) | extra
+        path.write_text(json.dumps(data))
+    return path
+
+
+# The fit -------------------------------------------------------------------------------
+
+
+def test_exactly_linear_timings_give_back_the_coefficients() -> None:
+    shapes = random_shapes(80)
+    rows = [step_features(s) for s in shapes]
+    seconds = [formula(TRUE_COEF, s) for s in shapes]
+    fit = fit_nonnegative(rows, seconds)
+    assert fit.coef == pytest.approx(TRUE_COEF, rel=1e-6)
+    assert fit.r2 == pytest.approx(1.0) and fit.median_abs_rel_error < 1e-9
+    assert fit.samples == 80
+
+
+def test_coefficients_stay_non_negative_when_the_data_wants_a_negative_one() -> None:
+    shapes = random_shapes(60, seed=1)
+    wanted = (5e-3, 2e-4, -1e-4, 0.0, 1e-8, 1e-4)  # a negative per-request term
+    seconds = [max(formula(wanted, s), 1e-4) for s in shapes]
+    fit = fit_nonnegative([step_features(s) for s in shapes], seconds)
+    assert all(c >= 0 for c in fit.coef)
+    assert all(fit.predict(step_features(s)) >= 0 for s in shapes)
+
+
+def test_nnls_meets_the_optimality_conditions() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        a, b = rng.normal(size=(25, 6)), rng.normal(size=25)
+        x = nnls(a, b)
+        gradient = a.T @ (b - a @ x)  # KKT: x >= 0, gradient <= 0, gradient = 0 where x > 0
+        assert (x >= 0).all() and (gradient <= 1e-8).all()
+        assert np.abs(gradient[x > 0]).max(initial=0.0) < 1e-8
+
+
+def test_a_step_without_tokens_has_no_features() -> None:
+    assert step_features(StepShape((), ())) == [0.0] * len(FEATURES)
+    mixed = StepShape((1, 1, 100), (50, 70, 20), num_sampled=3)
+    assert step_features(mixed) == [1.0, 102.0, 3.0, 120.0, 100 * (20 + 50), 3.0]
+
+
+# The plugin ----------------------------------------------------------------------------
+
+
+def test_the_plugin_answers_the_fits_formula(tmp_path: Path) -> None:
+    path = write_fit(tmp_path / "fit.json")
+    plugin = CalibratedCostModel(EngineConfig(), CalibratedCostModel.Options(fit=str(path)))
+    for step in random_shapes(20, seed=2):
+        assert plugin.step_cost(step=step) == pytest.approx(formula(TRUE_COEF, step))
+    assert plugin.step_cost(step=StepShape((), ())) == 0.0
+    engine = load_fit(path).engine_time()
+    assert (engine.mode, engine.step_s, engine.per_request_s) == ("modelled", 1e-3, 2e-5)
+
+
+def test_the_plugin_runs_from_a_resolved_stack(tmp_path: Path) -> None:
+    path = write_fit(tmp_path / "fit.json")
+    cost = {"name": "calibrated-cost", "options": {"fit": str(path)}}
+    config = scripted_config(plugins=["reference-scheduler", "default-sampler", cost])
+    manager = TandemPluginManager(config, side="worker")
+    step = StepShape((1, 1, 37), (10, 300, 0), num_sampled=3)
+    assert manager.hook.step_cost(step=step) == pytest.approx(formula(TRUE_COEF, step))
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        None,  # missing file
+        "not json",
+        json.dumps({"version": 2, "features": [], "coef": []}),
+        json.dumps({"version": 1, "features": ["const"], "coef": [-1.0], "engine_time": {}}),
+        json.dumps({"version": 1, "features": ["bogus"], "coef": [1.0]}),
+        json.dumps({"version": 1, "features": ["const"], "coef": [1.0], "engine_time": None}),
+    ],
+)
+def test_a_missing_or_bad_fit_is_a_value_error_naming_fit(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "fit.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match="fit"):
+        CalibratedCostModel(EngineConfig(), CalibratedCostModel.Options(fit=str(path)))
+    bad = {"name": "calibrated-cost", "options": {"fit": str(path)}}
+    config = scripted_config(plugins=["reference-scheduler", "default-sampler", bad])
+    with pytest.raises(ValueError, match="fit"):
+        TandemPluginManager(config, side="worker")
+
+
+def test_a_step_on_another_parallel_layout_is_refused(tmp_path: Path) -> None:
+    path = write_fit(tmp_path / "fit.json", stack={"tensor_parallel_size": 1})
+    plugin = CalibratedCostModel(EngineConfig(), CalibratedCostModel.Options(fit=str(path)))
+    assert plugin.step_cost(step=StepShape((1,), (10,), 1)) > 0
+    with pytest.raises(ValueError, match="fit.*tensor/pipeline"):
+        plugin.step_cost(step=StepShape((1,), (10,), 1, tensor_parallel_size=2))
+
+
+def test_tandem_simulate_uses_a_stack_naming_the_calibrated_model(tmp_path: Path) -> None:
+    fit = write_fit(tmp_path / "fit.json")
+    stack = tmp_path / "stack.yaml"
+    stack.write_text(
+        "scheduler: {max_num_seqs: 16, async_scheduling: false}\n"
+        f"plugins: [reference-scheduler, default-sampler, {{name: calibrated-cost, options: "
+        f"{{fit: '{fit}'}}}}]\n"
+    )
+    out = tmp_path / "sim.json"
+    argv = ["--stack", str(stack), "--quiet", "--max-model-len", "1024", "--out", str(out)]
+    argv += ["--traffic", "poisson:rate=2,n=12,prompt=uniform(16,64),output=uniform(4,16)"]
+    argv += ["--engine-time", "modelled:step=0.001,per_request=0.00002"]
+    assert simulate_main(argv) == 0
+    summary = json.loads(out.read_text())["stacks"]["stack"]
+    assert summary["completed"] == 12 and summary["device_busy_fraction"] > 0
+
+
+# A real calibration --------------------------------------------------------------------
+
+
+def test_a_short_calibration_of_a_tiny_model_writes_a_usable_fit(
+    tiny_model_dir, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:  # noqa: ANN001
+    stack = tmp_path / "tiny.yaml"
+    stack.write_text(
+        f"model: {{model: '{tiny_model_dir('llama')}'}}\n"
+        "scheduler: {max_num_seqs: 16, max_num_batched_tokens: 512}\n"
+    )
+    out = tmp_path / "fit.json"
+    argv = ["calibrate", "--config", str(stack), "--max-seconds", "20", "--threads", "1"]
+    assert simulate_main([*argv, "--repeats", "2", "--out", str(out), "--quiet"]) == 0
+    assert "r2" in capsys.readouterr().out
+    fit = load_fit(out)
+    assert fit.features == FEATURES and fit.samples >= 2 and all(c >= 0 for c in fit.coef)
+    assert fit.stack["executor"] and fit.stack["max_num_batched_tokens"] == 512
+    assert fit.extra["points"] and fit.step_s >= 0 and fit.per_request_s >= 0
+    prefills = [fit.device_seconds(StepShape((n,), (0,), 1)) for n in (16, 64, 256, 500)]
+    assert all(p > 0 for p in prefills)
+    assert prefills == sorted(prefills) and prefills[-1] > prefills[0]
+    decodes = [fit.device_seconds(StepShape((1,) * b, (100,) * b, b)) for b in (1, 4, 16)]
+    assert all(d > 0 for d in decodes) and decodes == sorted(decodes)

@@ -209,3 +209,26 @@ def test_closed_loop_clients_keep_at_most_their_count_in_flight() -> None:
 def test_engine_time_modes_are_checked() -> None:
     with pytest.raises(ValueError, match="engine_time.mode"):
         EngineTime(mode="guess")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_acceptance_model_sets_tokens_per_step(async_scheduling: bool) -> None:
+    """The oracle proposes `num_speculative_tokens` drafts and accepts each with the given
+    probability: all accepted, a decode step yields 4 tokens; none, 1; every request still
+    gets exactly its output length."""
+    config = scripted(
+        max_num_batched_tokens=256,
+        async_scheduling=async_scheduling,
+        speculative={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    traffic = [TrafficRequest(0.0, 32, 40) for _ in range(4)]
+    steps = {}
+    for rate in (0.0, 0.7, 1.0):
+        result = simulate(
+            config, traffic, acceptance_rate=rate, engine_time=EngineTime(step_s=1e-4)
+        )
+        assert [len(t.token_times_s) for t in result.timelines] == [40] * 4
+        steps[rate] = result.num_steps
+    assert steps[0.0] == 40  # one prefill step, then 39 decode steps of one token
+    assert steps[1.0] <= 12  # one prefill step, then 4 tokens per step
+    assert steps[1.0] < steps[0.7] < steps[0.0]

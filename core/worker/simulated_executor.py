@@ -23,7 +23,7 @@ from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.model_loader import model_loader_for
 from tandem.core.worker.step_shape import step_shape_of
-from tandem.core.worker.virtual_device import roofline_seconds
+from tandem.core.worker.virtual_device import step_seconds
 from tandem.core.worker.worker import Worker
 from tandem.schema.config import ConfigError, EngineConfig
 
@@ -69,9 +69,8 @@ class SimulatedExecutor(Executor):
         return result
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[None]:
-        shape = step_shape_of(scheduler_output)
-        answer = self.worker.plugin_manager.hook.step_cost(step=shape) if shape.num_tokens else 0.0
-        seconds = answer if answer is not None else roofline_seconds(self.cost, shape)
+        hooks = [self.worker.plugin_manager.hook.step_cost]
+        seconds = step_seconds(hooks, self.cost, step_shape_of(scheduler_output))
         return self._device.submit(
             self._run_on_device,
             scheduler_output.step_id,

@@ -70,6 +70,24 @@ def roofline_seconds(cost: SimulatedDeviceConfig, step: StepShape) -> float:
     return max(compute, memory)
 
 
+def step_seconds(
+    cost_hooks: list[Any], simulated_device: SimulatedDeviceConfig, shape: StepShape
+) -> float:
+    """Seconds of one step: the first `step_cost` answer that is not None, else the bare
+    roofline of `simulated_device`; 0 for a step without tokens. Raises ValueError for an
+    answer that is not a number >= 0."""
+    if shape.num_tokens == 0:
+        return 0.0
+    answer = None
+    for hook in cost_hooks:
+        if (answer := hook(step=shape)) is not None:
+            break
+    seconds = answer if answer is not None else roofline_seconds(simulated_device, shape)
+    if not seconds >= 0:
+        raise ValueError(f"step_cost: expected seconds >= 0, got {seconds!r}")
+    return float(seconds)
+
+
 class DeviceFuture(Future):
     """A step's result, computed already; `result()` first moves the clock to `done_at`."""
 
@@ -172,20 +190,7 @@ class VirtualDeviceExecutor(Executor):
     # Device ----------------------------------------------------------------------------
     def step_seconds(self, shape: StepShape) -> float:
         """The cost model's answer for `shape` (seconds >= 0)."""
-        if shape.num_tokens == 0:
-            return 0.0
-        answer = None
-        for hook in self.cost_hooks:
-            if (answer := hook(step=shape)) is not None:
-                break
-        seconds = (
-            answer
-            if answer is not None
-            else roofline_seconds(self.config.parallel.simulated_device, shape)
-        )
-        if not seconds >= 0:
-            raise ValueError(f"step_cost: expected seconds >= 0, got {seconds!r}")
-        return float(seconds)
+        return step_seconds(self.cost_hooks, self.config.parallel.simulated_device, shape)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[None]:
         self._charge_measured()

@@ -226,8 +226,10 @@ def simulate(
                 progress(len(finished))
             recorder.sample(engine, busy=clock.now() < executor.device_free_at or executed)
             if not executed and not engine.batch_queue:
-                next_arrival = pending[0][1].arrival_s if pending else clock.now() + IDLE_STEP_S
-                clock.advance_to(min(next_arrival, clock.now() + IDLE_STEP_S))
+                idle_until = clock.now() + IDLE_STEP_S  # not past the next arrival
+                clock.advance_to(
+                    min(idle_until, pending[0][1].arrival_s) if pending else idle_until
+                )
             executor.mark()
         else:
             raise RuntimeError(f"tandem simulate: not done after max_steps={max_steps} steps")

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from tandem.models.cpu_kernels import load_library
 
-PANEL_GEMM_ABI = 3
+PANEL_GEMM_ABI = 4
 #: Output columns per packed panel.
 PANEL = 16
 
@@ -57,8 +57,8 @@ def _bind(library: ctypes.CDLL) -> PanelGemmKernel:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     gemm_args = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]
     pack_args = [ptr, i64, ptr, i64, i64, i32]
-    q_gemm_args = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32, i32, i32]
-    q_dequant_args = [ptr, ptr, ptr, i64, i64, i64, i32, i64, ptr, i32]
+    q_gemm_args = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32, i32, i32, i32]
+    q_dequant_args = [ptr, ptr, ptr, i64, i64, i64, i32, i32, i64, ptr, i32]
     functions = {}
     for name, args in (
         ("tandem_f32_gemm", gemm_args),

@@ -14,8 +14,9 @@ saving; one warning says so). torch's own CPU kernels (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`) were measured 5-57x slower than float32 `F.linear` on this
 project's shapes on AVX2 (`python benchmarks/quant_linear.py`), so they are not used.
 
-Memory: codes (1 byte per weight for int8, half for int4) plus float32 scales (and mins)
-per group of 16 columns.
+Memory: codes (1 byte per weight for int8, half for int4) plus scales (and mins) per group
+of inputs and column: fp16 where every value is one (GGUF's Q4_0/Q4_1/Q8_0 and the
+load-time formats, whose scales are fp16 by construction), else float32.
 """
 
 from __future__ import annotations
@@ -105,6 +106,11 @@ def unpack_codes(words: torch.Tensor, bits: int, in_features: int) -> torch.Tens
     return codes.flatten(-2)[..., :in_features].to(torch.uint8)
 
 
+def _fp16_exact(values: torch.Tensor) -> bool:
+    """Every value survives a round trip through float16 bit for bit."""
+    return bool(torch.equal(values.half().float(), values))
+
+
 class QuantLinear:
     """A float32-in, float32-out linear over a `QuantizedWeight` (see the module
     docstring). `kind` names the format (`"Q4_1"`, `"int8"`, ...)."""
@@ -118,6 +124,7 @@ class QuantLinear:
         self.scales: torch.Tensor | None = None
         self.mins: torch.Tensor | None = None
         self.weight: torch.Tensor | None = None
+        self.half_scales = False
         if self._kernel is None:
             _warn_fallback()
             self.weight = weight.dequantize()
@@ -130,8 +137,14 @@ class QuantLinear:
                 f"{per}-code words of {weight.bits}-bit codes"
             )
         self.codes = pack_codes(weight)
-        self.scales = _panels(weight.scales.float())
-        self.mins = _panels(weight.mins.float()) if weight.mins is not None else None
+        scales = weight.scales.float()
+        mins = weight.mins.float() if weight.mins is not None else None
+        #: Scales and mins held as fp16 when every value is one (GGUF's Q4_0/Q4_1/Q8_0,
+        #: load-time int8/int4): 2 bytes a group instead of 4, read by the kernel exactly.
+        self.half_scales = _fp16_exact(scales) and (mins is None or _fp16_exact(mins))
+        held = torch.float16 if self.half_scales else torch.float32
+        self.scales = _panels(scales.to(held))
+        self.mins = _panels(mins.to(held)) if mins is not None else None
 
     @property
     def nbytes(self) -> int:
@@ -170,6 +183,7 @@ class QuantLinear:
             self.in_features,
             self.group_size,
             self.bits,
+            int(self.half_scales),
             torch.get_num_threads(),
             int(portable),
         )
@@ -184,11 +198,11 @@ class QuantLinear:
         ids = ids.to(torch.long)
         panel, col = ids // PANEL, ids % PANEL
         values = unpack_codes(self.codes[panel, :, col], self.bits, self.in_features).float()
-        scales = self.scales[panel, :, col].repeat_interleave(self.group_size, dim=1)
+        scales = self.scales[panel, :, col].float().repeat_interleave(self.group_size, dim=1)
         product = scales[:, : self.in_features] * values
         if self.mins is None:
             return product
-        mins = self.mins[panel, :, col].repeat_interleave(self.group_size, dim=1)
+        mins = self.mins[panel, :, col].float().repeat_interleave(self.group_size, dim=1)
         return product + mins[:, : self.in_features]
 
     def dense_weight(self) -> torch.Tensor:

@@ -435,7 +435,9 @@ void gemm(const float* x, int64_t ldx, const void* packed, const float* bias, fl
 // "lanes": one 32-bit word per column holds kLaneCodes = 32 / bits consecutive k of that
 // column, code j of the word in bits [bits * j, bits * (j + 1)):
 //   codes  [p][ceil(k / kLaneCodes)][16] uint32   (k past the end: zero codes)
-//   scales, mins [p][groups][16] float32, groups = ceil(k / group); group a multiple of
+//   scales, mins [p][groups][16] float32, or fp16 (`half_scales`: 2 bytes a group instead
+//   of 4 where every value is an fp16, as GGUF's Q4_0/Q4_1/Q8_0 and load-time int8/int4
+//   are; read into float32 per panel), groups = ceil(k / group); group a multiple of
 //   kLaneCodes (or one group)
 // A word's codes come out with a shift and a mask in each 32-bit lane: no shuffles, the
 // integers already where `cvtdq2ps` wants them.
@@ -453,23 +455,57 @@ void gemm(const float* x, int64_t ldx, const void* packed, const float* bias, fl
 
 constexpr int64_t kQDirectRows = 4;
 
+// fp16 bit patterns -> float32 (exact), `count` a multiple of 16 or not.
+void half_to_float(const uint16_t* in, float* out, int64_t count) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= count; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+#endif
+  for (; i < count; ++i) {
+    const uint32_t h = in[i];
+    const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0) {  // zero or subnormal: man * 2^-24
+      const float v = static_cast<float>(man) * 5.9604644775390625e-08f;
+      out[i] = sign != 0 ? -v : v;
+      continue;
+    }
+    const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    std::memcpy(out + i, &bits, sizeof(float));
+  }
+}
+
 struct QGemm {
   const float* x;
   int64_t ldx;
   const uint32_t* codes;
-  const float* scales;
-  const float* mins;  // null: zero
+  const void* scales;  // float32, or fp16 bits when half_scales
+  const void* mins;    // null: zero; else as scales
   const float* bias;
   float* y;
   int64_t ldy, m, n, k, group;
   int bits;
+  bool half_scales = false;
+  // AVX-512 direct path with mins: xsums[row * groups() + g] = sum of x[row] over group g
+  // (q_run fills it; null elsewhere).
+  const float* xsums = nullptr;
   int64_t lane_codes() const { return 32 / bits; }
   int64_t words() const { return (k + lane_codes() - 1) / lane_codes(); }
   int64_t groups() const { return (k + group - 1) / group; }
   const uint32_t* panel_codes(int64_t p) const { return codes + p * words() * kPanel; }
-  const float* panel_scales(int64_t p) const { return scales + p * groups() * kPanel; }
+  // Panel p's scales (mins) as float32 [groups][16]: the stored array itself, or for fp16
+  // storage a thread-local float32 copy (valid until this thread's next call for the slot).
+  const float* panel_scales(int64_t p) const { return panel_floats(scales, p, 0); }
   const float* panel_mins(int64_t p) const {
-    return mins != nullptr ? mins + p * groups() * kPanel : nullptr;
+    return mins != nullptr ? panel_floats(mins, p, 1) : nullptr;
+  }
+  const float* panel_floats(const void* base, int64_t p, int slot) const {
+    const int64_t count = groups() * kPanel;
+    if (!half_scales) return static_cast<const float*>(base) + p * count;
+    thread_local std::vector<float> copies[2];
+    copies[slot].resize(static_cast<size_t>(count));
+    half_to_float(static_cast<const uint16_t*>(base) + p * count, copies[slot].data(), count);
+    return copies[slot].data();
   }
 };
 
@@ -624,6 +660,89 @@ void q_direct_rows(const QGemm& g, int64_t m0, int64_t rows, int64_t p) {
 }
 #endif
 
+#if TANDEM_PANEL_AVX512
+// The AVX-512 decode tile: MR rows x the 16 columns of panel p (one zmm) over all of k.
+// Codes are summed against x per group and scaled once per group:
+//   y[i][c] += scale[g][c] * sum_k code[c][k] x[i][k]  +  min[g][c] * xsums[i][g]
+// so a code costs a shift and a conversion (4-bit: a 16-entry table permute) and one FMA
+// per row; the scale and min FMAs are per group. Identity rows still give each weight as
+// dequantize() does (scale * code is exact; the min is added with one rounding); in general
+// only the summation order differs from the float reference. Needs k % (32 / Bits) == 0.
+template <int MR, int Bits, bool HasMin>
+void q_tile_direct_512(const QGemm& g, int64_t m0, int64_t p) {
+  constexpr int kPer = 32 / Bits;
+  const int64_t n0 = p * kPanel;
+  const int64_t cols = std::min(kPanel, g.n - n0);
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1u);
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i byte = _mm512_set1_epi32(0xff);
+  __m512 acc[MR];
+  const float* xr[MR];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+    acc[i] = g.bias != nullptr ? _mm512_maskz_loadu_ps(keep, g.bias + n0) : _mm512_setzero_ps();
+    xr[i] = g.x + (m0 + i) * g.ldx;
+  }
+  const uint32_t* codes = g.panel_codes(p);
+  const int64_t groups = g.groups();
+  // Scales and mins read in place (fp16: converted in the register as they are loaded).
+  const auto load16 = [&](const void* base, int64_t gi) {
+    const int64_t at = (p * groups + gi) * kPanel;
+    if (g.half_scales)
+      return _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at)));
+    return _mm512_loadu_ps(static_cast<const float*>(base) + at);
+  };
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    const int64_t k0 = gi * g.group;
+    const int64_t k1 = std::min(g.k, k0 + g.group);
+    __m512 part[2][MR];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) part[0][i] = part[1][i] = _mm512_setzero_ps();
+    for (int64_t kk = k0; kk < k1; kk += kPer) {
+      const __m512i w = _mm512_loadu_si512(codes + (kk / kPer) * kPanel);
+#pragma GCC unroll 8
+      for (int j = 0; j < kPer; ++j) {
+        const __m512i shifted = _mm512_srli_epi32(w, j * Bits);
+        __m512 q;
+        if constexpr (Bits == 4) {
+          q = _mm512_permutexvar_ps(shifted, table);  // the low 4 bits index the table
+        } else {
+          q = _mm512_cvtepi32_ps(j == kPer - 1 ? shifted : _mm512_and_si512(shifted, byte));
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; ++i)
+          part[j & 1][i] = _mm512_fmadd_ps(_mm512_set1_ps(xr[i][kk + j]), q, part[j & 1][i]);
+      }
+    }
+    const __m512 s = load16(g.scales, gi);
+    __m512 mn = _mm512_setzero_ps();
+    if constexpr (HasMin) mn = load16(g.mins, gi);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      acc[i] = _mm512_fmadd_ps(s, _mm512_add_ps(part[0][i], part[1][i]), acc[i]);
+      if constexpr (HasMin)
+        acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(g.xsums[(m0 + i) * groups + gi]), acc[i]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(g.y + (m0 + i) * g.ldy + n0, keep, acc[i]);
+}
+
+template <int Bits, bool HasMin>
+void q_direct_rows_512(const QGemm& g, int64_t m0, int64_t rows, int64_t p) {
+  switch (rows) {
+    case 1: return q_tile_direct_512<1, Bits, HasMin>(g, m0, p);
+    case 2: return q_tile_direct_512<2, Bits, HasMin>(g, m0, p);
+    case 3: return q_tile_direct_512<3, Bits, HasMin>(g, m0, p);
+    default: return q_tile_direct_512<4, Bits, HasMin>(g, m0, p);
+  }
+}
+
+// The AVX-512 tile applies: a whole number of code words in k.
+bool q_direct_512(const QGemm& g) { return g.k % g.lane_codes() == 0; }
+#endif
+
 void q_dequant_panel(const QGemm& g, int64_t p, float* out, bool portable) {
 #if TANDEM_PANEL_AVX2
   if (!portable) {
@@ -644,6 +763,20 @@ void q_run_item(const QGemm& g, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
 #if TANDEM_PANEL_AVX2
   if (!portable && r1 - r0 <= kQDirectRows) {
     const bool has_min = g.mins != nullptr;
+#if TANDEM_PANEL_AVX512
+    if (q_direct_512(g) && (!has_min || g.xsums != nullptr)) {
+      for (int64_t p = p0; p < p1; ++p) {
+        if (g.bits == 4) {
+          has_min ? q_direct_rows_512<4, true>(g, r0, r1 - r0, p)
+                  : q_direct_rows_512<4, false>(g, r0, r1 - r0, p);
+        } else {
+          has_min ? q_direct_rows_512<8, true>(g, r0, r1 - r0, p)
+                  : q_direct_rows_512<8, false>(g, r0, r1 - r0, p);
+        }
+      }
+      return;
+    }
+#endif
     for (int64_t p = p0; p < p1; ++p) {
       if (g.bits == 4) {
         has_min ? q_direct_rows<4, true>(g, r0, r1 - r0, p)
@@ -671,9 +804,21 @@ void q_run_item(const QGemm& g, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
 // Panels split between threads in dynamically scheduled chunks (as `run`); rows too when
 // panels are fewer than threads, in row parts of at least kQDirectRows + 1 rows where the
 // rows are more than kQDirectRows (so each part takes the amortised path).
-void q_run(const QGemm& g, int threads, bool portable) {
+void q_run(QGemm g, int threads, bool portable) {
   const int64_t panels = (g.n + kPanel - 1) / kPanel;
   if (g.m <= 0 || panels <= 0) return;
+#if TANDEM_PANEL_AVX512
+  // The rows the AVX-512 direct tile takes (m <= kQDirectRows: one row part) need x's
+  // per-group sums for the mins.
+  thread_local std::vector<float> xsums;
+  if (!portable && g.m <= kQDirectRows && g.mins != nullptr && q_direct_512(g)) {
+    const int64_t groups = g.groups();
+    xsums.assign(static_cast<size_t>(g.m * groups), 0.0f);
+    for (int64_t i = 0; i < g.m; ++i)
+      for (int64_t kk = 0; kk < g.k; ++kk) xsums[i * groups + kk / g.group] += g.x[i * g.ldx + kk];
+    g.xsums = xsums.data();
+  }
+#endif
   const int64_t want = std::max(threads, 1);
   const int64_t tiles = (g.m + kTileRows - 1) / kTileRows;
   const int64_t row_parts = std::min(tiles, (want + panels - 1) / panels);
@@ -694,7 +839,7 @@ void q_run(const QGemm& g, int threads, bool portable) {
 
 }  // namespace
 
-extern "C" int tandem_panel_gemm_abi_version() { return 3; }
+extern "C" int tandem_panel_gemm_abi_version() { return 4; }
 
 // 1 when the AVX2/FMA tile is compiled in, 0 when only the portable loops are.
 extern "C" int tandem_panel_gemm_vectorized() { return TANDEM_PANEL_AVX2; }
@@ -727,19 +872,23 @@ extern "C" void tandem_bf16_gemm(const float* x, int64_t ldx, const uint16_t* pa
   gemm<BF16>(x, ldx, packed, bias, y, ldy, m, n, k, threads, portable != 0);
 }
 
-// Quantized weights (see "Quantized weights" above). bits: 4 or 8; mins may be null.
+// Quantized weights (see "Quantized weights" above). bits: 4 or 8; mins may be null;
+// half_scales: scales and mins are fp16 bit patterns (else float32).
 extern "C" void tandem_q_gemm(const float* x, int64_t ldx, const uint32_t* codes,
-                              const float* scales, const float* mins, const float* bias,
+                              const void* scales, const void* mins, const float* bias,
                               float* y, int64_t ldy, int64_t m, int64_t n, int64_t k,
-                              int64_t group, int bits, int threads, int portable) {
-  const QGemm g{x, ldx, codes, scales, mins, bias, y, ldy, m, n, k, group, bits};
+                              int64_t group, int bits, int half_scales, int threads,
+                              int portable) {
+  const QGemm g{x, ldx, codes, scales, mins, bias, y, ldy, m, n, k, group, bits, half_scales != 0};
   q_run(g, threads, portable != 0);
 }
 
 // Panel p of the quantized weight dequantized into out [k][16] (tests).
-extern "C" void tandem_q_dequant_panel(const uint32_t* codes, const float* scales,
-                                       const float* mins, int64_t n, int64_t k, int64_t group,
-                                       int bits, int64_t p, float* out, int portable) {
-  const QGemm g{nullptr, 0, codes, scales, mins, nullptr, nullptr, 0, 0, n, k, group, bits};
+extern "C" void tandem_q_dequant_panel(const uint32_t* codes, const void* scales,
+                                       const void* mins, int64_t n, int64_t k, int64_t group,
+                                       int bits, int half_scales, int64_t p, float* out,
+                                       int portable) {
+  const QGemm g{nullptr, 0, codes, scales, mins, nullptr, nullptr, 0,
+                0,       n, k,     group,  bits, half_scales != 0};
   q_dequant_panel(g, p, out, portable != 0);
 }

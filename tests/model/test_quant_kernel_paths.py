@@ -1,0 +1,82 @@
+"""The quantized GEMM's code paths agree: the register (decode) tiles, including the
+AVX-512 tile that sums codes against x per group and scales once per group, the panel path,
+and the portable loops; scales and mins held as fp16 (when every value is one) or float32.
+
+Each case is checked against a float64 product with the dequantized weight, and identity
+rows read each weight back exactly as `dequantize()` gives it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.models.panel_linear import available
+from tandem.models.quant_linear import QuantLinear
+from tandem.models.quantized_weight import QuantizedWeight, quantize_int4, quantize_int8
+
+pytestmark = pytest.mark.skipif(not available(), reason="needs the compiled panel kernel")
+
+
+def _weight(kind: str, n: int, k: int) -> QuantizedWeight:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * 1000 + k))
+    if kind == "int4-g32":
+        return quantize_int4(w, 32)
+    if kind == "int4-g64":
+        return quantize_int4(w, 64)
+    if kind == "int8-g32":
+        return quantize_int8(w, 32)
+    return quantize_int8(w)  # per channel: one group of all k
+
+
+def _float32_scales(weight: QuantizedWeight) -> QuantizedWeight:
+    """The same codes with scales and mins that are not fp16 values (below fp16's normal
+    range, so held as float32) but keep 11 significant bits: scale * code stays exact in
+    float32, as with Q4_K's 17-bit scales."""
+    tiny = 2.0**-30
+    mins = weight.mins * tiny if weight.mins is not None else None
+    return QuantizedWeight(
+        weight.codes, weight.scales * tiny, mins, weight.bits, weight.group_size, weight.kind
+    )
+
+
+@pytest.mark.parametrize("kind", ["int4-g32", "int4-g64", "int8-g32", "int8-channel"])
+@pytest.mark.parametrize("scales", ["fp16", "float32"])
+@pytest.mark.parametrize("n,k", [(40, 64), (100, 576), (16, 200)])
+def test_every_path_matches_the_dequantized_product(kind: str, scales: str, n: int, k: int) -> None:
+    weight = _weight(kind, n, k)
+    if scales == "float32":
+        weight = _float32_scales(weight)
+    bias = torch.randn(n)
+    layer = QuantLinear(weight, bias)
+    assert layer.half_scales == (scales == "fp16")
+    dense = weight.dequantize().double()
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        reference = x.double() @ dense.T + bias.double()
+        for portable in (False, True):
+            y = layer.run(x, portable=portable).double()
+            error = (y - reference).abs().max() / reference.abs().max()
+            assert error < 1e-5, (rows, portable, float(error))
+
+
+@pytest.mark.parametrize("kind", ["int4-g32", "int8-g32", "int8-channel"])
+@pytest.mark.parametrize("scales", ["fp16", "float32"])
+def test_identity_rows_read_back_each_dequantized_weight_exactly(kind: str, scales: str) -> None:
+    weight = _weight(kind, 24, 96)
+    if scales == "float32":
+        weight = _float32_scales(weight)
+    layer = QuantLinear(weight)
+    dense = weight.dequantize()
+    for start, rows in ((0, 1), (5, 4), (40, 9)):  # register tiles and the panel path
+        eye = torch.eye(96)[start : start + rows]
+        assert torch.equal(layer.run(eye), dense[:, start : start + rows].T)
+
+
+def test_fp16_scales_halve_the_scale_bytes() -> None:
+    weight = _weight("int4-g32", 64, 128)
+    half, full = QuantLinear(weight), QuantLinear(_float32_scales(weight))
+    assert half.half_scales and not full.half_scales
+    groups_bytes = 64 * (128 // 32) * 2  # scales and mins, one per group and column
+    assert full.nbytes - half.nbytes == groups_bytes * 2  # 4 bytes -> 2 bytes each
+    rows = torch.tensor([0, 17, 63])
+    assert torch.equal(half.rows(rows), weight.dequantize()[rows])

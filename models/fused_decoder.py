@@ -39,9 +39,10 @@ from tandem.models.linear_choice import Linear, cpu_bf16_linear, cpu_f32_linear
 from tandem.models.packed_linear import PackedLinear
 from tandem.models.paged_attention import PagedAttentionMetadata, paged_attention
 from tandem.models.quant_linear import LinearQuantization, QuantLinear
-from tandem.models.quantized_weight import QuantizedWeight
+from tandem.models.quantized_weight import QuantizedWeight, common_format
 from tandem.models.tensor_parallel import (
     VocabParallelEmbedding,
+    check_quantized_split,
     kv_heads_per_rank,
     kv_split,
 )
@@ -137,10 +138,11 @@ _Part = tuple[str, tuple[int, int]]
 
 
 def _fuse_rows(parts: list[Any]) -> torch.Tensor | QuantizedWeight:
-    """Weights stacked by rows: quantized ones of one format stay quantized; a mix (a GGUF
-    whose Q and K differ in type) is dequantized to float32."""
-    formats = {(p.bits, p.group_size) for p in parts if isinstance(p, QuantizedWeight)}
-    if len(formats) == 1 and all(isinstance(p, QuantizedWeight) for p in parts):
+    """Weights stacked by rows: quantized ones stay quantized (of several formats, a GGUF's
+    Q4_K Q and K with a Q6_K V, in their exact `common_format`); any other mix is
+    dequantized to float32."""
+    quantized = all(isinstance(p, QuantizedWeight) for p in parts)
+    if quantized and common_format(parts) is not None:
         return QuantizedWeight.cat(parts)
     if any(isinstance(p, QuantizedWeight) for p in parts):
         parts = [p.dequantize() if isinstance(p, QuantizedWeight) else p.float() for p in parts]
@@ -212,6 +214,7 @@ def _take_layer(
     than one rank, this rank's shard (`tensor_parallel`): Q, K, V, gate and up by rows (K
     and V by `kv_split`), O and down by columns."""
     r, n = (tp.tp_rank, tp.tp_size) if tp is not None else (0, 1)
+    check_quantized_split(hf_config, n, quant)
     kv = kv_split(hf_config, r, n) if n > 1 else (0, 1)
     qkv: list[_Part] = [("self_attn.q_proj", (r, n))]
     qkv += [("self_attn.k_proj", kv), ("self_attn.v_proj", kv)]

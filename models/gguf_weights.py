@@ -3,16 +3,22 @@
 A `.gguf` model is converted once into an HF directory (`model_files.convert_gguf`: config,
 tokenizer, float32 safetensors), which records the file it came from (`GGUF_SOURCE_FILE`).
 With `model.quantization: auto` on the CPU the layers' and the LM head's weights of the
-`GGUF_KEPT_TYPES` are then read from the GGUF itself and repacked into `QuantLinear`s
-(`quantized_weight.from_gguf_blocks`: integers and float16 scales copied, no float round
-trip). Every other tensor (norms, weights of other GGUF types) is read as float from the
-converted copy, and one log line names the types that were dequantized.
+`GGUF_KEPT_TYPES` (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) are then read from the GGUF itself and
+repacked into `QuantLinear`s (`quantized_weight.from_gguf_blocks`: integer codes copied,
+scales and mins made exactly, no float round trip). Every other tensor (norms, weights of
+other GGUF types) is read as float from the converted copy, and one log line names the
+types that were dequantized.
 
 Names: gguf's own tensor-name map (`gguf.get_tensor_name_map`) gives each HF parameter's
 GGUF name. Llama's Q and K rows are stored permuted in GGUF (llama.cpp's rotary layout);
 they are put back in HF order exactly as transformers' GGUF loader does, a permutation of
 whole rows (codes, scales and mins alike), so the kept weights dequantize to the converted
 copy's float32 weights bit for bit.
+
+Tensor parallelism: a rank's row block (`rows`) is cut from the raw blocks before they are
+unpacked (only its share is copied out of the file); a column block (`cols`, row-parallel
+O and down) is cut from the unpacked weight on whole quantization groups, and a split that
+would cut a group is refused naming the tensor and the group size.
 """
 
 from __future__ import annotations
@@ -117,25 +123,20 @@ class GGUFShards:
     def is_quantized(self, name: str) -> bool:
         return name in self._tensors
 
-    def quantized(self, name: str) -> QuantizedWeight:
-        """The whole tensor `name` (HF name) as a `QuantizedWeight`, rows in HF order."""
+    def quantized(self, name: str, part: int = 0, parts: int = 1) -> QuantizedWeight:
+        """Row block `part` of `parts` (equal blocks, in HF row order) of the tensor `name`
+        (HF name) as a `QuantizedWeight`; the whole tensor by default. Only the block's raw
+        rows are copied out of the file and unpacked."""
         tensor = self._tensors[name]
         columns, rows = (int(d) for d in tensor.shape)  # GGUF lists the fastest dim first
-        self.quantized_bytes_read += int(tensor.n_bytes)
-        weight = from_gguf_blocks(tensor.tensor_type.name, tensor.data, (rows, columns))
         heads = self._permuted_heads(name)
-        if heads is None:
-            return weight
-        order = _qk_row_order(rows, heads)
-        mins = weight.mins[order] if weight.mins is not None else None
-        return QuantizedWeight(
-            weight.codes[order],
-            weight.scales[order],
-            mins,
-            weight.bits,
-            weight.group_size,
-            weight.kind,
-        )
+        data = tensor.data
+        if heads is not None or parts > 1:
+            order = _qk_row_order(rows, heads) if heads is not None else torch.arange(rows)
+            n = rows // parts
+            data = data[order[part * n : (part + 1) * n].numpy()]
+        self.quantized_bytes_read += int(data.nbytes)
+        return from_gguf_blocks(tensor.tensor_type.name, data, (int(data.shape[0]), columns))
 
     def _permuted_heads(self, name: str) -> int | None:
         if self.arch not in _PERMUTED_QK:
@@ -152,13 +153,22 @@ class GGUFShards:
 
     def rows(self, name: str, part: int = 0, parts: int = 1) -> Any:
         if name in self._tensors:
-            return self.quantized(name).row_block(part, parts)
+            return self.quantized(name, part, parts)
         return self.floats.rows(name, part, parts)
 
     def cols(self, name: str, part: int = 0, parts: int = 1) -> Any:
-        if name in self._tensors:
-            return self.quantized(name).col_block(part, parts)
-        return self.floats.cols(name, part, parts)
+        """Column block `part` of `parts`; of a kept tensor only on whole quantization
+        groups (ValueError naming the tensor, its type and group size otherwise)."""
+        if name not in self._tensors:
+            return self.floats.cols(name, part, parts)
+        weight = self.quantized(name)
+        try:
+            return weight.col_block(part, parts)
+        except ValueError as exc:
+            raise ValueError(
+                f"{name} (GGUF {weight.kind}, groups of {weight.group_size} inputs): {exc}; "
+                "choose a tensor_parallel_size that splits it on whole groups"
+            ) from None
 
     def vocab_rows(self, name: str, rank: int, size: int) -> torch.Tensor:
         """A vocabulary shard, as float (tensor-parallel embeddings and heads)."""

@@ -16,7 +16,9 @@ project's shapes on AVX2 (`python benchmarks/quant_linear.py`), so they are not 
 
 Memory: codes (1 byte per weight for int8, half for int4) plus scales (and mins) per group
 of inputs and column: fp16 where every value is one (GGUF's Q4_0/Q4_1/Q8_0 and the
-load-time formats, whose scales are fp16 by construction), else float32.
+load-time formats, whose scales are fp16 by construction), else float32 (GGUF's K-quants,
+whose scales `d * sc` are not fp16 values): Q4_K 0.75 bytes a weight (int4, groups of 32),
+Q6_K 1.5 (8-bit codes, groups of 16).
 """
 
 from __future__ import annotations

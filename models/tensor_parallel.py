@@ -16,18 +16,27 @@ heads than ranks, each KV head is replicated on `tp / num_key_value_heads` conse
 (rank r keeps KV head `r // (tp / Hkv)`, which is the head all of its query heads read, as
 in vLLM). Anything else is an error naming the key (`check_divisible`). The vocabulary need
 not divide.
+
+Quantized weights split the same way: rows of codes, scales and mins for column-parallel
+layers; whole groups of input columns for row-parallel ones, so every rank holds exactly
+its part of the one-rank weight. A split that would cut a group is refused naming the layer
+and the group size (`check_quantized_split` for weights quantized at load, `GGUFShards.cols`
+for a GGUF's kept blocks).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from tandem.core.worker.parallel_state import tp_all_reduce
 from tandem.schema.config import ConfigError
+
+if TYPE_CHECKING:
+    from tandem.models.quant_linear import LinearQuantization
 
 
 def check_divisible(hf_config: Any, tp: int) -> None:
@@ -51,6 +60,35 @@ def check_divisible(hf_config: Any, tp: int) -> None:
             f"num_key_value_heads ({kv_heads}) nor is a multiple of it (KV heads are split, "
             "or replicated when fewer than the ranks)"
         )
+
+
+def check_quantized_split(hf_config: Any, tp: int, quant: LinearQuantization | None) -> None:
+    """ConfigError naming `model.quantization_group_size` and the layer when weights
+    quantized at load (`int8` / `int4`) would not split on whole groups: a row-parallel
+    layer (O over `heads * head_dim` inputs, down over `intermediate_size`) gives each rank
+    `inputs / tp` of them, which its groups must divide, so the ranks hold exactly one
+    rank's codes and scales, cut (per output channel, `0`, is one group of all inputs: any
+    split cuts it)."""
+    if tp == 1 or quant is None or not quant.at_load:
+        return
+    head_dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    inputs = {
+        "self_attn.o_proj": hf_config.num_attention_heads * head_dim,
+        "mlp.down_proj": hf_config.intermediate_size,
+    }
+    group = quant.group_size
+    for layer, size in inputs.items():
+        share = size // tp
+        if group == 0 or share % group:
+            what = "one scale per output channel (0)" if group == 0 else f"groups of {group}"
+            raise ConfigError(
+                f"model.quantization_group_size: {quant.mode} in {what} cannot split {layer} "
+                f"({size} inputs) over tensor_parallel_size {tp} ({share} inputs a rank) on "
+                "whole groups; choose a group size that divides "
+                f"{share}, or another tensor_parallel_size"
+            )
 
 
 def _kv_heads(hf_config: Any) -> int:

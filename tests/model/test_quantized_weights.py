@@ -17,7 +17,6 @@ from tandem import LLM, SamplingParams
 from tandem.models.panel_linear import panel_gemm_kernel
 from tandem.models.quant_linear import QuantEmbedding, QuantLinear
 from tandem.models.quantized_weight import (
-    GGUF_KEPT_TYPES,
     QuantizedWeight,
     from_gguf_blocks,
     quantize_int4,
@@ -26,6 +25,9 @@ from tandem.models.quantized_weight import (
 from tandem.testing.tiny_model import TINY_ARCHS
 
 KERNEL = panel_gemm_kernel()
+#: The kept types of 32-element blocks, which gguf quantizes itself (the K-quants:
+#: test_kquant_weights.py).
+BLOCK32_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler: the kernel path")
 
 
@@ -42,11 +44,11 @@ def _formats(out: int = 40, inn: int = 96) -> list[QuantizedWeight]:
     weight = _weight(out, inn)
     made = [quantize_int8(weight), quantize_int8(weight, 32), quantize_int8(weight, 64)]
     made += [quantize_int4(weight, g) for g in (32, 64, 128)]
-    made += [from_gguf_blocks(k, _gguf_blocks(k, weight), (out, inn)) for k in GGUF_KEPT_TYPES]
+    made += [from_gguf_blocks(k, _gguf_blocks(k, weight), (out, inn)) for k in BLOCK32_TYPES]
     return made
 
 
-@pytest.mark.parametrize("kind", GGUF_KEPT_TYPES)
+@pytest.mark.parametrize("kind", BLOCK32_TYPES)
 def test_gguf_blocks_dequantize_bit_exact(kind: str) -> None:
     weight = _weight(48, 160, seed=3)
     blocks = _gguf_blocks(kind, weight)
@@ -73,8 +75,8 @@ def test_kernel_uses_exactly_the_dequantized_weights(portable: bool) -> None:
 
 
 def test_gguf_type_not_kept_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="Q6_K is not kept quantized"):
-        from_gguf_blocks("Q6_K", np.zeros((1, 210), np.uint8), (1, 256))
+    with pytest.raises(ValueError, match="Q5_K is not kept quantized"):
+        from_gguf_blocks("Q5_K", np.zeros((1, 176), np.uint8), (1, 256))
 
 
 def test_quantization_error_is_at_most_half_a_step() -> None:
@@ -153,11 +155,17 @@ def test_int8_groups_follow_a_4_bit_grid() -> None:
 
 
 def test_fused_rows_keep_one_format_or_refuse_two() -> None:
+    """Rows of one format stack as they are; of two, in their exact common format (widest
+    codes, common groups); weights of different input sizes are refused."""
     a, b = quantize_int8(_weight(8, 64)), quantize_int8(_weight(4, 64, seed=1))
     fused = QuantizedWeight.cat([a, b])
     assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    c = quantize_int4(_weight(4, 64), 32)
+    mixed = QuantizedWeight.cat([a, c])
+    assert (mixed.bits, mixed.group_size) == (8, 32)
+    assert torch.equal(mixed.dequantize(), torch.cat([a.dequantize(), c.dequantize()]))
     with pytest.raises(ValueError, match="different formats"):
-        QuantizedWeight.cat([a, quantize_int4(_weight(4, 64), 32)])
+        QuantizedWeight.cat([a, quantize_int4(_weight(4, 96), 32)])
 
 
 def _dequantized_reference(model_dir: Path, target: Path, mode: str, group: int) -> Path:

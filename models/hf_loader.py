@@ -14,13 +14,13 @@ if TYPE_CHECKING:
 
 
 def linear_quantization(config: EngineConfig, device: Any) -> Any:
-    """`model.quantization` for a model on `device`: `int8` / `int4` run on the CPU only
-    (`ConfigError` naming the field elsewhere); `auto` keeps GGUF weights quantized on the
-    CPU and means `none` on other devices."""
+    """`model.quantization` for a model on `device`: `int8` / `int4` / `awq` / `gptq` run on
+    the CPU only (`ConfigError` naming the field elsewhere); `auto` keeps GGUF and AWQ /
+    GPTQ weights quantized on the CPU and means `none` on other devices."""
     from tandem.models.quant_linear import LinearQuantization
 
     mode = config.model.quantization
-    if mode in ("int8", "int4") and device.type != "cpu":
+    if mode in ("int8", "int4", "awq", "gptq") and device.type != "cpu":
         raise ConfigError(
             f"model.quantization: {mode} runs on the CPU; the model runs on {device.type} "
             "(use quantization: none there)"
@@ -53,6 +53,7 @@ class HFModelLoader:
         model path becomes its resolved directory."""
 
         from tandem.core.worker.pipeline import stage_layers
+        from tandem.models.awq_gptq_weights import check_quantization_mode
         from tandem.models.model_dtype import (
             kv_bytes_per_token,
             resolve_device,
@@ -65,6 +66,7 @@ class HFModelLoader:
         model_dir = resolve_model_dir(model.model, allow_download=model.allow_download)
         model.model = str(model_dir)
         hf = load_hf_config(model_dir)
+        check_quantization_mode(hf, model.quantization)  # AWQ / GPTQ: ConfigError naming both
         check_divisible(hf, config.parallel.tensor_parallel_size)
         parallel = config.parallel
         try:

@@ -21,6 +21,7 @@ from tandem.core.worker.draft_context import DraftTarget
 from tandem.core.worker.flat_batch import FlatBatch
 from tandem.core.worker.parallel_state import RankInfo, tp_all_gather
 from tandem.core.worker.pipeline import PipelineLink, stage_layers
+from tandem.models.awq_gptq_weights import PrequantizedShards, prequantized_shards
 from tandem.models.checkpoint_shards import CheckpointShards, checkpoint_bytes, safetensors_files
 from tandem.models.cpu_kernels import KERNEL_POOL_DTYPES, PagedDecodeKernel
 from tandem.models.fused_decoder import FusedDecoder, float32_compute, fused_linear
@@ -240,6 +241,22 @@ def _load_gguf_kept(
     return skeleton, shards, head
 
 
+def _load_prequantized(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, rank: RankInfo, mode: str
+) -> tuple[torch.nn.Module, PrequantizedShards] | None:
+    """An AWQ / GPTQ checkpoint (`awq_gptq_weights`): a skeleton whose layers the fused
+    decoder reads from the packed tensors (kept quantized, or dequantized under `mode`
+    `none` or off the CPU), the rest as float. None for any other checkpoint."""
+    from tandem.models.model_files import load_hf_config
+
+    shards = prequantized_shards(model_dir, load_hf_config(model_dir), mode, dtype, device)
+    if shards is None:
+        return None
+    skeleton = _skeleton(model_dir, dtype, device)
+    _read_kept_modules(skeleton, shards, rank)  # type: ignore[arg-type]
+    return skeleton, shards
+
+
 def _load_causal_lm(
     model_dir: Path,
     dtype: torch.dtype,
@@ -315,8 +332,19 @@ class HFStepModel:
             kept = (
                 _load_gguf_kept(model_dir, dtype, device, self.rank) if quant.keeps_gguf else None
             )
+            prequantized = (
+                _load_prequantized(model_dir, dtype, device, self.rank, quant.mode)
+                if kept is None
+                else None
+            )
             if kept is not None:
                 self.model, checkpoint, self._gguf_head = kept
+            elif prequantized is not None:
+                if not fused:
+                    raise ValueError(
+                        "an AWQ / GPTQ checkpoint needs the fused decoder (fused=True)"
+                    )
+                self.model, checkpoint = prequantized
             else:
                 self.model, checkpoint = _load_causal_lm(
                     model_dir, dtype, device, self.rank, quant.at_load and fused
@@ -325,6 +353,8 @@ class HFStepModel:
         self.quantization = (
             "gguf:" + ",".join(sorted(checkpoint.kept_types))
             if isinstance(checkpoint, GGUFShards)
+            else checkpoint.label
+            if isinstance(checkpoint, PrequantizedShards)
             else quant.mode
             if quant.at_load
             else "none"
@@ -355,7 +385,7 @@ class HFStepModel:
         self.bytes_read = (
             checkpoint.close() if checkpoint is not None else checkpoint_bytes(model_dir)
         )
-        if quant.at_load or isinstance(checkpoint, GGUFShards):
+        if quant.at_load or isinstance(checkpoint, (GGUFShards, PrequantizedShards)):
             return_freed_memory()  # the float / unpacked temporaries of quantizing
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         if decode_kernel is not None and (dtype not in KERNEL_POOL_DTYPES or device.type != "cpu"):

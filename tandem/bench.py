@@ -288,6 +288,47 @@ def _step_costs(threads: int, repeats: int, out: str | None) -> int:
     return subprocess.call(cmd + (["--out", out] if out else []))
 
 
+def _add_accuracy_flags(parser: argparse.ArgumentParser) -> None:
+    """`--accuracy` and the flags only it reads."""
+    parser.add_argument(
+        "--accuracy",
+        action="store_true",
+        help="instead: teacher-forced top-1 agreement with `quantization: none` and perplexity "
+        "of each of --quantizations on a fixed text (tandem.accuracy; --model, --set, "
+        "--threads apply; writes tandem-bench-accuracy.json unless --out)",
+    )
+    parser.add_argument(
+        "--quantizations",
+        help="with --accuracy: comma list of none, auto, int8, int4, awq, gptq, int8-gN, "
+        "int4-gN (N: quantization_group_size); default: none,auto,int8,int4",
+    )
+    parser.add_argument(
+        "--text", help="with --accuracy: the text file (default: tests/data/accuracy_text.txt)"
+    )
+    parser.add_argument(
+        "--chunk", type=int, default=256, help="with --accuracy: tokens per teacher-forced prompt"
+    )
+
+
+def _accuracy(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    """`--accuracy`: `tandem.accuracy.measure_accuracy` in this process, JSON to `--out`."""
+    import torch
+
+    from tandem.accuracy import DEFAULT_QUANTIZATIONS, measure_accuracy, summary_lines
+
+    torch.set_num_threads(args.threads)
+    given = args.quantizations or ",".join(DEFAULT_QUANTIZATIONS)
+    names = [n.strip() for n in given.split(",") if n.strip()]
+    settings = {"worker_num_threads": args.threads} | overrides
+    report = measure_accuracy(args.model, names, args.text, args.chunk, settings)
+    out = Path(args.out) if args.out else Path("tandem-bench-accuracy.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print("\n".join(summary_lines(report)))
+    print(f"tandem bench: wrote {out.resolve()}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem bench", description=__doc__)
     parser.add_argument(
@@ -317,11 +358,14 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: each step's wall time by phase at batch 64, sync and async, and a "
         "prefill run (benchmarks/step_costs.py, in a checkout; --threads, --repeats apply)",
     )
+    _add_accuracy_flags(parser)
     parser.add_argument("--run-peer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.step_costs:
         return _step_costs(args.threads, args.repeats, args.out)
     overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
+    if args.accuracy:
+        return _accuracy(args, overrides)
     if args.run_peer:
         print(
             json.dumps(run_peer(args.run_peer, args.workload, args.model, args.threads, overrides))

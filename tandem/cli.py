@@ -361,9 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks against peers (same weights, same token ids)")
     bench.add_argument(
         "kind",
-        choices=["throughput", "latency", "serve"],
-        help="default workload, 1-request latency workload, or `serve`: request rates "
-        "against a running OpenAI-compatible server (tandem.bench_serve)",
+        choices=["throughput", "latency", "serve", "accuracy"],
+        help="default workload, 1-request latency workload, `serve`: request rates "
+        "against a running OpenAI-compatible server (tandem.bench_serve), or `accuracy` "
+        "(also `tandem bench --accuracy`): quantizations against the float model "
+        "(tandem.accuracy)",
     )
     bench.add_argument(
         "rest", nargs=argparse.REMAINDER, help="options of tandem.bench (--peers, --threads, ...)"
@@ -390,6 +392,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from tandem.bench_serve import main as bench_serve_main
 
         return bench_serve_main(rest)
+    if args.kind == "accuracy":
+        return bench_main(["--accuracy", *rest])
     if not any(a.startswith("--workload") for a in rest):
         rest = ["--workload", "default" if args.kind == "throughput" else "latency", *rest]
     return bench_main(rest)
@@ -409,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"tandem simulate: error: {exc}", file=sys.stderr)
             return 2
+    if argv[:2] == ["bench", "--accuracy"]:  # the flag in place of a workload kind
+        argv = ["bench", "accuracy", *argv[2:]]
     args = build_parser().parse_args(argv)
     args.argv = argv  # `serve --disaggregated` passes its flags on to its servers
     from tandem.schema.config import ConfigError

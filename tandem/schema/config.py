@@ -67,12 +67,14 @@ class ModelConfig(_Section):
         "only; auto = dual on CPUs with AVX-512 for models whose checkpoint is at most 2 GiB, "
         "else panel (docs/cpu-performance.md)",
     )
-    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+    quantization: Literal["auto", "none", "int8", "int4", "awq", "gptq"] = Field(
         "auto",
         description="weight-only quantized linears on CPU (float32 activations): auto = a "
-        "GGUF's Q4_0/Q4_1/Q8_0 weights stay quantized, any other checkpoint runs in `dtype`; "
-        "none = every weight dequantized to `dtype`; int8 / int4 = quantized at load in "
-        "groups of quantization_group_size inputs (docs/quantization.md)",
+        "GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K weights and an AWQ / GPTQ checkpoint's int4 layers "
+        "stay quantized, any other checkpoint runs in `dtype`; none = every weight dequantized to "
+        "`dtype`; int8 / int4 = quantized at load in groups of quantization_group_size inputs; "
+        "awq / gptq = the checkpoint's quantization_config must name that method "
+        "(docs/quantization.md)",
     )
     quantization_group_size: Literal[0, 32, 64, 128] = Field(
         32,

@@ -30,6 +30,12 @@ dtype: bfloat16 on CUDA, float32 on the CPU ("auto"); the CPU path has no CUDA-o
 Tensor parallelism: with more than one tensor-parallel rank (`parallel_state.current()`)
 every layer holds this rank's heads, MLP columns and experts, and the pools only its KV
 heads (`diffusion_gemma_parallel`, which says what is split and what is replicated).
+
+Quantization (`model.quantization` int8 / int4, CPU only): after any sharding, the layers'
+linears and every expert are quantized in place (`diffusion_gemma_quant`); the router, the
+norms and the tied embedding / LM head stay float. The data flow above is unchanged: the
+quantized modules are called where the float ones were (`moe_grouped` hands quantized
+experts to `moe_quantized`).
 """
 
 from __future__ import annotations
@@ -59,9 +65,11 @@ from tandem.models.diffusion_gemma_parallel import (
     first_expert,
     shard_layers,
 )
+from tandem.models.diffusion_gemma_quant import quantize_model
 from tandem.models.kv_layer_groups import KVLayerGroup, KVPools, LayerKVShape, group_layers
+from tandem.models.quant_linear import LinearQuantization
 from tandem.models.tensor_parallel import kv_heads_per_rank
-from tandem.models.weight_release import own_remaining_parameters
+from tandem.models.weight_release import own_remaining_parameters, return_freed_memory
 
 
 def kv_layer_groups(text_config, tp_size: int = 1) -> list[KVLayerGroup]:  # noqa: ANN001
@@ -91,7 +99,9 @@ def load_diffusion_gemma(model_dir: Path, dtype: torch.dtype, device: torch.devi
 
 
 class DiffusionGemmaModel:
-    """DiffusionGemma as a `BlockDiffusionModel` over `KVPools` (`num_blocks` x `block_size`)."""
+    """DiffusionGemma as a `BlockDiffusionModel` over `KVPools` (`num_blocks` x `block_size`).
+    `quantization`: `model.quantization` as resolved (`hf_loader.linear_quantization`);
+    int8 / int4 quantize the layers at load on the CPU, `none` / `auto` keep `dtype`."""
 
     def __init__(
         self,
@@ -100,6 +110,7 @@ class DiffusionGemmaModel:
         num_blocks: int,
         block_size: int,
         device: torch.device,
+        quantization: LinearQuantization | None = None,
     ) -> None:
         self.device = device
         self.block_size = block_size
@@ -121,7 +132,16 @@ class DiffusionGemmaModel:
         check_divisible(text, self.rank.tp_size)
         if self.rank.tp_size > 1:
             shard_layers(text, [self.encoder.layers, self.decoder.layers], self.rank)
-            own_remaining_parameters(self.hf)  # the replicated rest leaves the file mapping
+        quant = quantization or LinearQuantization()
+        #: Which weights are quantized (`model.quantization` as resolved for this model).
+        self.quantization: str = quant.mode if quant.at_load else "none"
+        if quant.at_load:
+            if device.type != "cpu":
+                raise ValueError(f"quantization {quant.mode} runs on the CPU, not {device}")
+            quantize_model(self.hf, [self.encoder.layers, self.decoder.layers], quant)
+        if self.rank.tp_size > 1 or quant.at_load:
+            own_remaining_parameters(self.hf)  # the float rest leaves the file mapping
+            return_freed_memory()
         #: Global index of this rank's first expert (None: one rank holds them all).
         self.first_expert = first_expert(text, self.rank)
         self.kv_groups = kv_layer_groups(text, self.rank.tp_size)

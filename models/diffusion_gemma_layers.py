@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from tandem.core.worker.parallel_state import current, tp_all_reduce
 from tandem.models.diffusion_gemma_attention import project_qkv
+from tandem.models.quant_experts import QuantExperts
 
 #: attention callback: (query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, D]) -> [T, Hq, D]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -115,6 +116,44 @@ def _local_pairs(
     return pair, local.index_select(0, pair)
 
 
+def _pairs_by_expert(
+    index: torch.Tensor, first_expert: int | None, num_local: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """This rank's (token, slot) pairs of `index [T, k]` sorted by local expert (stable:
+    within an expert, in pair order), as flat pair numbers `t * k + slot`, and the pair
+    count of each of the `num_local` experts (`[num_local]` int64). None: no local pair."""
+    pair, local = _local_pairs(index, first_expert, num_local)
+    if pair.numel() == 0:
+        return None
+    order = pair.index_select(0, torch.argsort(local, stable=True))
+    return order, torch.bincount(local, minlength=num_local)
+
+
+def moe_quantized(
+    experts: QuantExperts,
+    hidden: torch.Tensor,
+    weights: torch.Tensor,
+    index: torch.Tensor,
+    first_expert: int | None = None,
+) -> torch.Tensor:
+    """`moe_reference`'s computation on experts held quantized: the pairs sorted by expert
+    once, the token rows gathered once (`index_select`), one gate/up and one down kernel
+    call per expert that has pairs (`QuantExperts.run`), then scaled by the routing
+    weights and `index_add_`-ed back (each token's k experts in ascending-expert order, as
+    `moe_grouped`). Equals `moe_reference` over the dequantized weights
+    (`QuantExperts.dense`) up to float32 summation order inside the products.
+    `first_expert`: as `moe_grouped`."""
+    out = torch.zeros_like(hidden)
+    grouped = _pairs_by_expert(index, first_expert, experts.num_experts)
+    if grouped is None:  # no token picked this rank's experts
+        return out
+    order, counts = grouped
+    token = order // index.shape[1]
+    mixed = experts.run(hidden.index_select(0, token), counts.tolist())
+    mixed = mixed * weights.reshape(-1).index_select(0, order)[:, None]
+    return out.index_add_(0, token, mixed.to(out.dtype))
+
+
 def moe_grouped(
     experts: torch.nn.Module,
     hidden: torch.Tensor,
@@ -135,16 +174,21 @@ def moe_grouped(
 
     `first_expert` (expert parallelism, `diffusion_gemma_parallel`): `experts` holds
     experts `first_expert ..` only; the pairs routed elsewhere are dropped before the sort
-    and the result is this rank's partial sum (zero rows for tokens with no local pair)."""
+    and the result is this rank's partial sum (zero rows for tokens with no local pair).
+
+    Experts held quantized (`quant_experts.QuantExperts`, `model.quantization` int8 /
+    int4) go to `moe_quantized`."""
+    if isinstance(experts, QuantExperts):
+        return moe_quantized(experts, hidden, weights, index, first_expert)
     if not _grouped_mm_fits(experts):
         return moe_reference(experts, hidden, weights, index, first_expert)
     num_local = experts.gate_up_proj.shape[0]
-    pair, local = _local_pairs(index, first_expert, num_local)
     out = torch.zeros_like(hidden)
-    if pair.numel() == 0:  # no token picked this rank's experts
+    grouped = _pairs_by_expert(index, first_expert, num_local)
+    if grouped is None:  # no token picked this rank's experts
         return out
-    order = pair.index_select(0, torch.argsort(local, stable=True))
-    offsets = torch.cumsum(torch.bincount(local, minlength=num_local), dim=0).to(torch.int32)
+    order, counts = grouped
+    offsets = torch.cumsum(counts, dim=0).to(torch.int32)
     token = order // index.shape[1]
     rows = hidden.index_select(0, token)
     gate, up = torch._grouped_mm(rows, experts.gate_up_proj.transpose(1, 2), offs=offsets).chunk(

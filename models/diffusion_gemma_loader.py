@@ -13,7 +13,10 @@ directory holds a DiffusionGemma checkpoint (`config.json` `model_type` `diffusi
   the schedule and thresholds from its `generation_config.json` over transformers'
   defaults (`DiffusionGemmaGenerationConfig._get_default_generation_params`).
 - `load`: `DiffusionGemmaModel` on CUDA in bfloat16 when there is a GPU, else float32 on
-  the CPU (`model.dtype: auto`).
+  the CPU (`model.dtype: auto`); `model.quantization` int8 / int4 quantize the layers and
+  experts at load on the CPU (`diffusion_gemma_quant`; refused elsewhere by
+  `hf_loader.linear_quantization`), `auto` means `none` (no GGUF form of this model), and
+  `awq` / `gptq` are refused (no such checkpoints of it are read).
 
 Tensor parallelism is supported (`diffusion_gemma_parallel`): `resolve_limits` refuses
 sizes that do not split over `parallel.tensor_parallel_size` and sizes the pool from one
@@ -67,6 +70,22 @@ def _device_and_dtype(model: Any) -> tuple[Any, Any]:
     return device, resolve_dtype(model.dtype, device)
 
 
+def _quantization(config: EngineConfig) -> Any:
+    """`model.quantization` for this model (a `LinearQuantization`); ConfigError naming the
+    field for `awq` / `gptq`, and (`linear_quantization`) for int8 / int4 off the CPU or
+    int4 per channel."""
+    from tandem.models.hf_loader import linear_quantization
+
+    mode = config.model.quantization
+    if mode in ("awq", "gptq"):
+        raise ConfigError(
+            f"model.quantization: {mode} reads AWQ / GPTQ checkpoints, which DiffusionGemma "
+            "does not have; use auto, none, int8 or int4"
+        )
+    device, _ = _device_and_dtype(config.model)
+    return linear_quantization(config, device)
+
+
 class DiffusionGemmaLoader:
     """DiffusionGemma from a local transformers directory (module docstring)."""
 
@@ -99,6 +118,7 @@ class DiffusionGemmaLoader:
         model_dir = Path(model.model)
         if not cls.claims(model_dir):
             raise ConfigError(f"model.model: {model_dir} is not a DiffusionGemma directory")
+        _quantization(config)  # a bad mode for this model fails before anything loads
         hf = AutoConfig.from_pretrained(str(model_dir))
         text = hf.text_config
         tp = config.parallel.tensor_parallel_size
@@ -132,4 +152,5 @@ class DiffusionGemmaLoader:
             num_blocks=config.cache.num_kv_blocks,
             block_size=config.cache.block_size,
             device=device,
+            quantization=_quantization(config),
         )

@@ -9,12 +9,13 @@ Order: the stack's order is call order. Broadcast hooks run every implementation
 order; for `firstresult` hooks the first plugin in stack order that returns a value other
 than None answers and the rest are not called.
 
-Same-seam policies: the policy seams compose by a rule per seam, stated in each
-docstring. `requests_not_ready` is broadcast and the union is taken (any plugin may hold a
-request back). `make_waiting_queue` and `select_preemption_victim` are exclusive
-(`EXCLUSIVE_SEAMS`): a stack in which two plugins (other than the scheduler's own default)
-answer one of them is refused at resolution, naming both, because a first answer would
-silently shadow the other and neither answer can be refined without the other's state.
+Same-seam policies: the policy seams compose by a rule per seam, stated in each docstring.
+`requests_not_ready` is broadcast and the union is taken (any plugin may hold a request
+back); `next_event_time` is broadcast and the earliest answer is taken.
+`make_waiting_queue` and `select_preemption_victim` are exclusive (`EXCLUSIVE_SEAMS`): a
+stack in which two plugins (other than the scheduler's own default) answer one of them is
+refused at resolution, naming both, because a first answer would silently shadow the other
+and neither answer can be refined without the other's state.
 
 Failures: a hook implementation that raises is named in the error the caller sees
 (`tandem.core.plugin_error.PluginError`: the plugin, the hook, its `file:line`, and the
@@ -185,6 +186,13 @@ class EngineHookSpecs(KVConnectorSchedulerSpecs):
         It changes no request or queue: what it learned is applied at the next drain point
         (`poll_finished_requests`) and `requests_not_ready`. The only hook that may wait.
         """
+
+    @hookspec
+    def next_event_time(self) -> float | None:
+        """On a virtual clock: when this plugin next changes what may run (a compile ending),
+        else None. Caller: a simulation driver, after a step that ran nothing with requests
+        unfinished and none in flight; broadcast, it moves the clock to the earliest answer.
+        A plugin holding requests back without implementing it is polled. Changes nothing."""
 
     @hookspec
     def update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:

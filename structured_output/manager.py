@@ -20,7 +20,8 @@ Life of a constrained request:
    gives the request its matcher (it becomes ready); a compile error or a compile that
    outlives `compile_timeout_s` ends that request with `finish_reason == "error"` and a
    message naming the field and the backend. `wait_for_work` (an idle engine) blocks
-   until a compile finishes, so an engine with nothing else to do does not spin.
+   until a compile finishes, so an engine with nothing else to do does not spin. On a
+   virtual clock compiles are events on it instead (`virtual_compile`, `next_event_time`).
 3. `grammar_bitmask`: one int32 bitmask for the step, `1 + drafts` rows per request of
    `structured_output_request_ids`. A request without drafts gets its row in one batch
    fill per backend. With drafts: fill row 0, accept draft 1, fill row 1, ..., fill the
@@ -61,12 +62,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from tandem.core import hookimpl
 from tandem.core.model_runner_output import ModelRunnerOutput
 from tandem.core.outputs import PluginFinish
-from tandem.core.plugin_manager import TandemPlugin
+from tandem.core.plugin_manager import TandemPlugin, TandemPluginManager
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler_output import SchedulerOutput, drafts_to_verify
 from tandem.schema.config import EngineConfig
 from tandem.schema.request_checks import RequestRejectedError
 from tandem.schema.structured_outputs import StructuredOutputsParams
+from tandem.structured_output import virtual_compile
+from tandem.structured_output.auto_refusals import combine_refusals
 from tandem.structured_output.backend import (
     AUTO_ORDER,
     BACKEND_NAMES,
@@ -89,9 +92,6 @@ class GrammarRequest:
     #: Confirmed output tokens the matcher has accepted.
     num_consumed: int = 0
 
-    def is_ready(self) -> bool:
-        return self.matcher is not None
-
 
 class StructuredOutputManager(TandemPlugin):
     """Owns per-request grammar state, the compile pool and cache, and the batch bitmask."""
@@ -109,6 +109,9 @@ class StructuredOutputManager(TandemPlugin):
         compile_timeout_s: float = Field(30.0, gt=0, description="a longer compile fails")
         max_compile_workers: int = Field(2, ge=1)
         cache_size: int = Field(256, ge=1, description="compiled grammars kept (LRU)")
+        virtual_compile_scale: float = Field(
+            1.0, ge=0, description="virtual clock: compile time = measured x this (0: none)"
+        )
 
     def __init__(self, config: EngineConfig, options: BaseModel) -> None:
         super().__init__(config, options)
@@ -163,6 +166,14 @@ class StructuredOutputManager(TandemPlugin):
             self._backends[name] = backend
         return backend
 
+    @hookimpl
+    def tandem_stack_loaded(self, manager: TandemPluginManager) -> None:
+        """On a virtual clock compiles are events on it (`virtual_compile`), not threads."""
+        if virtual_compile.is_virtual(self.clock):
+            workers, size = self.pool.max_workers, self.pool.cache_size
+            scale = self.options.virtual_compile_scale
+            self.pool = virtual_compile.VirtualCompilePool(self.clock, workers, size, scale)
+
     # Requests in and out -----------------------------------------------------------------
     @hookimpl
     def add_request(self, request: Request) -> None:
@@ -211,7 +222,7 @@ class StructuredOutputManager(TandemPlugin):
                 continue
             self.auto_choices[name] = self.auto_choices.get(name, 0) + 1
             return backend
-        raise RequestRejectedError(_combine_refusals(refusals))
+        raise RequestRejectedError(combine_refusals(refusals))
 
     @hookimpl
     def abort_requests(self, request_ids: list[str], status: RequestStatus) -> None:
@@ -236,6 +247,11 @@ class StructuredOutputManager(TandemPlugin):
         if self._compiling:
             pending = [s.future for s in self._compiling.values()]
             wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    @hookimpl
+    def next_event_time(self) -> float | None:
+        """On a virtual clock: when the first compile ends or times out; else None."""
+        return virtual_compile.next_compile_event(self._compiling.values(), self.compile_timeout_s)
 
     @hookimpl
     def poll_finished_requests(self) -> list[PluginFinish] | None:
@@ -382,19 +398,3 @@ class StructuredOutputManager(TandemPlugin):
                     del self._states[rid]
                     self._finished.append(PluginFinish(rid, "stop"))
         return None
-
-
-def _combine_refusals(refusals: list[tuple[GrammarBackend, str]]) -> str:
-    """One message for `auto` when every backend refused: `field: path: not enforced by
-    A or B` when they refused the same keyword, else each backend's reason."""
-    messages = [message for _, message in refusals]
-    suffixes = [f"not enforced by {backend.label}" for backend, _ in refusals]
-    heads = [m[: -len(s)] for m, s in zip(messages, suffixes, strict=True) if m.endswith(s)]
-    if len(heads) == len(messages) and len(set(heads)) == 1:
-        labels = " or ".join(backend.label for backend, _ in refusals)
-        return f"{heads[0]}not enforced by {labels}"
-    if len(set(messages)) == 1:
-        return messages[0]
-    return "no backend enforces it: " + "; ".join(
-        f"{backend.label}: {message}" for backend, message in refusals
-    )

@@ -230,10 +230,10 @@ def _check_grammar(config: EngineConfig, stack: ResolvedStack, source: str) -> N
     if backend != "auto":
         _check_declares("structured_output.backend", backend, grammar, "grammar_backends")
     loader = model_loader_for(config.model.model)
-    if grammar.cap("needs_tokenizer") and not loader.has_tokenizer:
+    if grammar.cap("needs_tokenizer") and not (loader.has_tokenizer or config.model.tokenizer):
         raise PluginConfigError(
             f"{grammar.where}: {grammar.name} needs a model with a tokenizer; the "
-            f"{config.model.model!r} model has none"
+            f"{config.model.model!r} model has none (set model.tokenizer)"
         )
     if not stack.applies_grammar_bitmask:
         samplers = [e.name for e in stack.with_role("sampler")]

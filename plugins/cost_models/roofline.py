@@ -19,13 +19,26 @@ time and its memory time on one rank (`DeviceSpec`), at efficiency factors (`Cos
   2 (tp-1)/tp x bytes / (link x comm_efficiency) + the device's collective latency.
 - pp_comm: pp - 1 point-to-point sends of tokens x hidden x dtype_bytes over the link.
 - overhead: `step_overhead_s`, a fixed per-step launch/host time.
+- kv_load, kv_save, kv_remote: a KV connector's blocks (`StepShape.kv_*_blocks`) over the
+  host link or the network (`links.py`: blocks x block bytes / (bandwidth x efficiency)).
+  Loads and saves add to the step (the worker waits for them before and after the
+  forward); a remote load is priced alone, on a shape with no tokens (it runs beside the
+  steps). A shape with transfers but no tokens costs only its transfers.
 
 Pipeline parallelism: the layers are split over the stages as the engine splits them
 (even, the remainder on the earliest stages) and one micro-batch passes them in turn, so
 the layer phases are the sum of the stage times (about the per-stage time x pp); no
 micro-batch interleaving is modelled. Each stage is taken to hold the model's mix of layer
-types. A step with no tokens costs 0. The forward is the autoregressive one: a
-block-diffusion canvas is costed as a chunk of q tokens (causal, not bidirectional).
+types. A step with no tokens and no transfers costs 0.
+
+Block-diffusion steps (`StepShape.canvas_lens`): a request's causal tokens are a chunk as
+above; its canvas of k positions after a context of n tokens (cached ones and the causal
+tokens of this step) is the bidirectional decoder: every position attends to the visible
+context (min(n, window) on a sliding layer) and to all k canvas positions, FLOPs
+4 x layers x heads x head_dim x k x (visible + k); KV bytes read: the visible context only
+(the canvas's own K/V are not cached). Every canvas position has logits (`num_sampled`).
+The linear phase is summed over the step's forward passes (`StepShape.pass_tokens`: the
+encode, one decoder pass per canvas length), each max(compute, its weight reads).
 """
 
 from __future__ import annotations
@@ -40,9 +53,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from tandem.core import hookimpl
 from tandem.core.plugin_manager import TandemPlugin
 from tandem.core.worker.step_shape import StepShape
+from tandem.plugins.cost_models.links import (
+    DEFAULT_NETWORK_BANDWIDTH,
+    DEFAULT_TRANSFER_EFFICIENCY,
+    TRANSFER_TERMS,
+    TransferLinks,
+    transfer_seconds,
+)
 from tandem.plugins.cost_models.shapes import (
     DEVICE_NAMES,
     MODEL_NAMES,
+    AttentionGroup,
     DeviceSpec,
     ModelShape,
     device_spec,
@@ -51,7 +72,15 @@ from tandem.plugins.cost_models.shapes import (
 from tandem.schema.config import EngineConfig
 
 #: The phases of `breakdown`, in order.
-TERMS: tuple[str, ...] = ("linear", "attention", "lm_head", "tp_comm", "pp_comm", "overhead")
+FORWARD_TERMS: tuple[str, ...] = (
+    "linear",
+    "attention",
+    "lm_head",
+    "tp_comm",
+    "pp_comm",
+    "overhead",
+)
+TERMS: tuple[str, ...] = FORWARD_TERMS + TRANSFER_TERMS
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,22 +117,43 @@ def stage_layer_counts(num_layers: int, pp: int) -> list[int]:
 
 
 def _linear_s(shape: ModelShape, device: DeviceSpec, step: StepShape, f: CostFactors) -> float:
-    """Sum over stages of max(compute, memory) of the layers' linear weights (the last
-    stage also reads the LM head)."""
-    tp, tokens = step.tensor_parallel_size, step.num_tokens
+    """Sum over stages and forward passes of max(compute, memory) of the layers' linear
+    weights (the last stage's last pass also reads the LM head)."""
+    tp = step.tensor_parallel_size
     flops_per_s = device.peak_flops * f.mfu * tp
     bytes_per_s = device.mem_bandwidth * f.bandwidth_efficiency * tp
-    compute = 2 * shape.layer_params(shape.num_experts_per_tok) * tokens / flops_per_s
-    experts = shape.touched_experts(tokens) if shape.is_moe else None
-    memory = shape.layer_params(experts) * shape.dtype_bytes / bytes_per_s
+    active = shape.layer_params(shape.num_experts_per_tok)
+    passes = [
+        (
+            2 * active * tokens / flops_per_s,
+            shape.layer_params(shape.touched_experts(tokens) if shape.is_moe else None)
+            * shape.dtype_bytes
+            / bytes_per_s,
+        )
+        for tokens in step.pass_tokens()
+    ]
     head = shape.lm_head_params() * shape.dtype_bytes / bytes_per_s
     counts = stage_layer_counts(shape.num_hidden_layers, step.pipeline_parallel_size)
     total = 0.0
     for s, layers in enumerate(counts):
         fraction = layers / shape.num_hidden_layers
-        last = head if s == len(counts) - 1 else 0.0
-        total += max(fraction * compute, fraction * memory + last)
+        for p, (compute, memory) in enumerate(passes):
+            last = head if s == len(counts) - 1 and p == len(passes) - 1 else 0.0
+            total += max(fraction * compute, fraction * memory + last)
     return total
+
+
+def canvas_keys_attended(group: AttentionGroup, context: int, canvas: int) -> float:
+    """Keys summed over a canvas's `canvas` positions after `context` tokens, one layer
+    and one head: each sees the visible context (capped at the group's window) and the
+    whole canvas (bidirectional)."""
+    visible = min(context, group.window) if group.window > 0 else context
+    return canvas * (visible + canvas)
+
+
+def canvas_keys_read(group: AttentionGroup, context: int) -> int:
+    """Cached KV entries one layer reads for a canvas: the visible context only."""
+    return min(context, group.window) if group.window > 0 else context
 
 
 def _attention_s(shape: ModelShape, device: DeviceSpec, step: StepShape, f: CostFactors) -> float:
@@ -115,10 +165,15 @@ def _attention_s(shape: ModelShape, device: DeviceSpec, step: StepShape, f: Cost
         per_key = 4 * group.num_layers * shape.num_attention_heads * group.head_dim
         kv_heads = math.ceil(group.num_kv_heads / tp)  # this rank's, replicated below tp
         per_token = 2 * group.num_layers * kv_heads * group.head_dim * shape.dtype_bytes
-        for q, c in zip(step.query_lens, step.context_lens, strict=True):
-            if q > 0:
-                flops += per_key * group.keys_attended(c, q) / tp
-                kv_bytes += per_token * group.keys_read(c, q)
+        for i, (q, c) in enumerate(zip(step.query_lens, step.context_lens, strict=True)):
+            canvas = step.canvas_len(i)
+            causal = q - canvas
+            if causal > 0:
+                flops += per_key * group.keys_attended(c, causal) / tp
+                kv_bytes += per_token * group.keys_read(c, causal)
+            if canvas > 0:
+                flops += per_key * canvas_keys_attended(group, c + causal, canvas) / tp
+                kv_bytes += per_token * canvas_keys_read(group, c + causal)
     compute = flops / (device.peak_flops * f.attention_efficiency)
     memory = kv_bytes / (device.mem_bandwidth * f.bandwidth_efficiency)
     return max(compute, memory)
@@ -144,15 +199,23 @@ def _pp_comm_s(shape: ModelShape, device: DeviceSpec, step: StepShape, f: CostFa
 
 
 def breakdown(
-    shape: ModelShape, device: DeviceSpec, step: StepShape, factors: CostFactors | None = None
+    shape: ModelShape,
+    device: DeviceSpec,
+    step: StepShape,
+    factors: CostFactors | None = None,
+    links: TransferLinks | None = None,
 ) -> dict[str, float]:
-    """Seconds of each phase of `step` (keys `TERMS`, all >= 0; all 0 without tokens).
+    """Seconds of each phase of `step` (keys `TERMS`, all >= 0; the forward's all 0
+    without tokens); transfers over `links` (None: `TransferLinks.for_device(device)`).
     Raises ValueError for parallel sizes below 1 or more stages than layers."""
     f = factors or CostFactors()
     if step.tensor_parallel_size < 1:
         raise ValueError("tensor_parallel_size must be >= 1")
+    transfers = dict.fromkeys(TRANSFER_TERMS, 0.0)
+    if step.has_transfers:
+        transfers = transfer_seconds(shape, step, links or TransferLinks.for_device(device))
     if step.num_tokens == 0:
-        return dict.fromkeys(TERMS, 0.0)
+        return dict.fromkeys(FORWARD_TERMS, 0.0) | transfers
     lm_head_flops = 2 * shape.lm_head_params() * step.num_sampled
     return {
         "linear": _linear_s(shape, device, step, f),
@@ -161,15 +224,19 @@ def breakdown(
         "tp_comm": _tp_comm_s(shape, device, step, f),
         "pp_comm": _pp_comm_s(shape, device, step, f),
         "overhead": f.step_overhead_s,
-    }
+    } | transfers
 
 
 def roofline_seconds(
-    shape: ModelShape, device: DeviceSpec, step: StepShape, factors: CostFactors | None = None
+    shape: ModelShape,
+    device: DeviceSpec,
+    step: StepShape,
+    factors: CostFactors | None = None,
+    links: TransferLinks | None = None,
 ) -> float:
     """Seconds the device takes for `step`: the sum of `breakdown`'s phases (0.0 without
-    tokens)."""
-    return sum(breakdown(shape, device, step, factors).values())
+    tokens and transfers)."""
+    return sum(breakdown(shape, device, step, factors, links).values())
 
 
 def _efficiency(default: float, what: str) -> float:
@@ -198,6 +265,15 @@ class RooflineCostModel(TandemPlugin):
         comm_efficiency: float = _efficiency(0.7, "fraction of link bandwidth in collectives")
         step_overhead_s: float = Field(
             0.0, ge=0, description="fixed seconds per step (launches, host time), e.g. 2e-3"
+        )
+        host_bandwidth: float | None = Field(
+            None, gt=0, description="KV offload link bytes/s per direction (default: PCIe)"
+        )
+        network_bandwidth: float = Field(
+            DEFAULT_NETWORK_BANDWIDTH, gt=0, description="disaggregated KV bytes/s"
+        )
+        transfer_efficiency: float = _efficiency(
+            DEFAULT_TRANSFER_EFFICIENCY, "fraction of a link's bandwidth a KV transfer gets"
         )
 
         @field_validator("model")
@@ -236,15 +312,21 @@ class RooflineCostModel(TandemPlugin):
             comm_efficiency=options.comm_efficiency,
             step_overhead_s=options.step_overhead_s,
         )
+        self.links = TransferLinks.for_device(
+            self.device,
+            options.host_bandwidth,
+            options.network_bandwidth,
+            options.transfer_efficiency,
+        )
 
     @hookimpl
     def step_cost(self, step: StepShape) -> float | None:
         """Seconds of `step` on the configured device (`roofline_seconds`)."""
-        return roofline_seconds(self.shape, self.device, step, self.factors)
+        return roofline_seconds(self.shape, self.device, step, self.factors, self.links)
 
     def breakdown(self, step: StepShape) -> dict[str, float]:
         """Seconds of each phase of `step` (`breakdown`), for reports."""
-        return breakdown(self.shape, self.device, step, self.factors)
+        return breakdown(self.shape, self.device, step, self.factors, self.links)
 
 
 def _load_shape(options: RooflineCostModel.Options) -> ModelShape:

@@ -8,7 +8,9 @@
 Each stack file is an ordinary stack YAML (scheduler, cache, speculative, plugins); its
 model is replaced by the token oracle (`VirtualDeviceExecutor`) and its step times come
 from the cost model: the stack's own `step_cost` plugin if it names one, else the
-`roofline-cost` plugin for `--model`/`--device`. Without `--rates` each stack runs the
+`roofline-cost` plugin for `--model`/`--device`. A stack with a `diffusion` section, or a
+diffusion model shape (`--model diffusion-gemma`), runs the scripted diffusion model's
+stack with canvas steps (`DiffusionTokenOracle`, `--denoise-tokens-per-step`). Without `--rates` each stack runs the
 traffic once; with it, each runs it at every rate (the traffic's `rate` replaced) and the
 report adds each stack's capacity: the highest rate whose SLO attainment stays at or above
 `--min-attainment` at every lower rate. Writes JSON (`--out`) and a PNG (`--plot`).
@@ -71,7 +73,8 @@ def parse_engine_time(text: str) -> EngineTime:
 def stack_config(path: str, args: argparse.Namespace) -> EngineConfig:
     """The stack file with the simulation's model length, KV pool and cost model."""
     config = load_config(path)
-    config.model.model = "scripted"
+    diffusion = config.diffusion is not None or is_diffusion_shape(args)
+    config.model.model = "scripted-diffusion" if diffusion else "scripted"
     config.model.max_model_len = args.max_model_len
     if config.plugins is None:
         config.plugins = default_stack(config)
@@ -83,6 +86,17 @@ def stack_config(path: str, args: argparse.Namespace) -> EngineConfig:
     if config.cache.num_kv_blocks is None:
         config.cache.num_kv_blocks = kv_blocks(args, config.cache.block_size)
     return config
+
+
+def is_diffusion_shape(args: argparse.Namespace) -> bool:
+    """Whether `--model` / `--model-config` is a block-diffusion model (its `model_type`)."""
+    from tandem.plugins.cost_models.shapes import NAMED_MODEL_CONFIGS
+
+    if args.model_config:
+        config = json.loads(Path(args.model_config).read_text())
+    else:
+        config = NAMED_MODEL_CONFIGS.get(args.model, {})
+    return str(config.get("model_type") or "").startswith("diffusion")
 
 
 def cost_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -133,6 +147,7 @@ def run_stack(
         overlap=not args.inline_device,
         progress=bar.update,
         seed=spec.seed,
+        denoise_tokens_per_step=args.denoise_tokens_per_step,
     )
 
 
@@ -177,6 +192,12 @@ def parser() -> argparse.ArgumentParser:
         "executor): engine and device time never overlap",
     )
     p.add_argument("--acceptance", type=float, default=0.0, help="draft acceptance rate")
+    p.add_argument(
+        "--denoise-tokens-per-step",
+        type=int,
+        help="diffusion: canvas positions fixed per denoising step (default: every canvas "
+        "takes diffusion.max_denoising_steps)",
+    )
     p.add_argument("--slo-ttft-ms", type=float)
     p.add_argument("--slo-tpot-ms", type=float)
     p.add_argument("--slo-e2e-ms", type=float)

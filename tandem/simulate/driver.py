@@ -6,8 +6,10 @@ and a `VirtualClock` in place of the model and the wall clock. It then interleav
 event sources: arrivals (added when the clock reaches them; `Request.arrival_time` is the
 arrival's simulated time) and engine steps (each moves the clock to its step's end through
 the step's future). When the engine has nothing to run the clock jumps to the next
-arrival. Output tokens are stamped with the clock when `step_fn` returns them, as a front
-end would see them.
+arrival; when it has work but nothing runnable (every request held back by a plugin) it
+jumps to the plugins' next announced event, e.g. a grammar compile finishing on the
+virtual clock (`plugin_events`), or to an earlier arrival. Output tokens are stamped with
+the clock when `step_fn` returns them, as a front end would see them.
 
 Bounded: at most `max_steps` engine steps (an error past it), whatever the traffic.
 """
@@ -29,12 +31,10 @@ from tandem.core.worker.step_shape import StepShape
 from tandem.core.worker.virtual_device import EngineTime, VirtualDeviceExecutor
 from tandem.schema.config import EngineConfig
 from tandem.schema.sampling_params import SamplingParams
+from tandem.simulate.constrained import grammar_tokenizer
+from tandem.simulate.plugin_events import PluginEvents
 from tandem.simulate.report import RequestTimeline, UsageSample
 from tandem.simulate.traffic import ClosedLoopClients, TrafficRequest, prompt_token_ids
-
-#: Simulated seconds an engine with unfinished work but nothing runnable waits before it
-#: steps again (a plugin holding requests back, e.g. a grammar still compiling).
-IDLE_STEP_S = 0.005
 
 
 @dataclass(slots=True)
@@ -71,9 +71,11 @@ class SimulationResult:
 
 def simulation_config(config: EngineConfig) -> EngineConfig:
     """`config` resolved for the virtual device: the scripted model's loader (the cost
-    model, not the weights, stands for the real model) and the `simulated` executor."""
+    model, not the weights, stands for the real model) and the `simulated` executor; a
+    grammar stack gets a tokenizer (`constrained.grammar_tokenizer`)."""
     config = config.model_copy(deep=True)
     config.parallel.executor = "simulated"
+    grammar_tokenizer(config)
     return resolve_config(config)
 
 
@@ -140,12 +142,17 @@ def make_request(
     traffic: TrafficRequest, index: int, vocab_size: int, eos_token_id: int | None, seed: int
 ) -> Request:
     """The engine request for one traffic entry: greedy, exactly `output_tokens` tokens
-    (EOS ignored), arriving at `traffic.arrival_s` on the virtual clock."""
+    (EOS ignored), arriving at `traffic.arrival_s` on the virtual clock. With a
+    `json_schema` it is constrained by it and stops at EOS (at most `output_tokens`)."""
+    schema = traffic.json_schema
     return Request(
         request_id=f"sim-{index}",
         prompt_token_ids=prompt_token_ids(traffic, index, vocab_size, seed),
         sampling_params=SamplingParams(
-            temperature=0.0, max_tokens=traffic.output_tokens, ignore_eos=True
+            temperature=0.0,
+            max_tokens=traffic.output_tokens,
+            ignore_eos=schema is None,
+            structured_outputs=None if schema is None else {"json": schema},
         ),
         eos_token_id=eos_token_id,
         arrival_time=traffic.arrival_s,
@@ -167,6 +174,7 @@ def simulate(
     max_steps: int = 50_000_000,
     progress: Callable[[int], None] | None = None,
     seed: int = 0,
+    denoise_tokens_per_step: int | None = None,
 ) -> SimulationResult:
     """Run `traffic` through the stack of `config` on the virtual device; see the module
     docstring. `progress(n)` is called with the number of requests finished since its last
@@ -174,14 +182,26 @@ def simulate(
     `tokens` and `acceptance_rate`: see `VirtualDeviceExecutor`; `parallel` = (tensor,
     pipeline) parallel sizes the cost model prices each step with (the simulated engine
     itself is one rank: parallelism is a cost, not a process layout); `overlap=False`
-    models a device that is the engine's own thread (`VirtualDeviceExecutor.overlap`)."""
+    models a device that is the engine's own thread (`VirtualDeviceExecutor.overlap`);
+    `denoise_tokens_per_step`: a diffusion stack's denoising model (`DiffusionTokenOracle`;
+    None: every canvas takes `diffusion.max_denoising_steps`)."""
     config = simulation_config(config)
     clock = VirtualClock()
     executor = VirtualDeviceExecutor(
-        config, clock, engine_time, tokens, acceptance_rate, seed, parallel, overlap
+        config,
+        clock,
+        engine_time,
+        tokens,
+        acceptance_rate,
+        seed,
+        parallel,
+        overlap,
+        denoise_tokens_per_step=denoise_tokens_per_step,
     )
     engine = EngineCore(config, executor=executor, clock=clock, source="tandem simulate")
     recorder = _Recorder(clock, keep_steps, sample_every_s)
+    events = PluginEvents(engine)
+    has_grammar = bool(engine.plugin_manager.plugins_with_role("grammar"))
     executor.on_step = recorder.on_step
     closed = traffic if isinstance(traffic, ClosedLoopClients) else None
     owner: dict[str, int] = {}
@@ -196,6 +216,11 @@ def simulate(
             now = clock.now()
             while pending and pending[0][1].arrival_s <= now:
                 client, entry = pending.popleft()
+                if entry.json_schema is not None and not has_grammar:
+                    raise ValueError(
+                        "traffic: a request has a JSON schema (json=) but the stack has no "
+                        "grammar plugin; add structured-output (e.g. grammar-async.yaml)"
+                    )
                 request = make_request(entry, index, vocab, eos, seed)
                 recorder.timelines[request.request_id] = RequestTimeline(
                     request.request_id, entry.arrival_s, entry.prompt_tokens
@@ -205,12 +230,15 @@ def simulate(
                 engine.add_request(request)
                 added_after_calls[request.request_id] = calls
                 index += 1
+                if entry.json_schema is not None:
+                    executor.mark()  # its compile's wall time is the compile queue's, on the clock
             if not engine.has_work():
                 if not pending:
                     break
                 clock.advance_to(pending[0][1].arrival_s)
                 executor.mark()
                 continue
+            executor.collected_tokens = None
             outputs, executed = engine.step_fn()
             calls += 1
             if engine.dead_error is not None:
@@ -225,11 +253,19 @@ def simulate(
             if progress is not None and finished:
                 progress(len(finished))
             recorder.sample(engine, busy=clock.now() < executor.device_free_at or executed)
-            if not executed and not engine.batch_queue:
-                idle_until = clock.now() + IDLE_STEP_S  # not past the next arrival
-                clock.advance_to(
-                    min(idle_until, pending[0][1].arrival_s) if pending else idle_until
-                )
+            # idle when the engine would wait for work: it collected a step without tokens
+            # and no step with tokens is in flight (only empty steps may be queued)
+            in_flight = any(so.total_num_scheduled_tokens for _, so, _ in engine.batch_queue)
+            if not executed and executor.collected_tokens == 0 and not in_flight:
+                idle_until = events.idle_until(clock.now())  # not past the next arrival
+                transfer_end = executor.next_transfer_end_s  # nor a KV transfer's end
+                if executor.take_news():  # loads just reported over: admit them now
+                    idle_until = clock.now()
+                elif transfer_end is not None:
+                    idle_until = min(idle_until, transfer_end)
+                if pending:
+                    idle_until = min(idle_until, pending[0][1].arrival_s)
+                clock.advance_to(max(clock.now(), idle_until))  # one already passed: stay
             executor.mark()
         else:
             raise RuntimeError(f"tandem simulate: not done after max_steps={max_steps} steps")

@@ -33,6 +33,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from tandem.simulate.constrained import SchemaPicker
 from tandem.simulate.traffic_spec import KINDS, LengthDist, TrafficSpec, parse_traffic
 
 __all__ = [
@@ -53,8 +54,9 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class TrafficRequest:
     """One request: arrival (seconds from the start, >= 0), prompt and output lengths (>= 1
-    tokens; the output is generated to exactly that length), priority (lower first) and an
-    optional prefix group whose members share their first `prefix_tokens` prompt tokens."""
+    tokens; the output is generated to exactly that length, or up to it for a constrained
+    one), priority (lower first), an optional prefix group whose members share their first
+    `prefix_tokens` prompt tokens, and an optional JSON schema (JSON text) it must follow."""
 
     arrival_s: float
     prompt_tokens: int
@@ -62,6 +64,7 @@ class TrafficRequest:
     priority: int = 0
     prefix_group: int | None = None
     prefix_tokens: int = 0
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if not self.arrival_s >= 0 or self.prompt_tokens < 1 or self.output_tokens < 1:
@@ -152,6 +155,7 @@ def generate(spec: TrafficSpec, max_model_len: int) -> list[TrafficRequest]:
     max_len = _check_max_len(max_model_len)
     if spec.kind == "closed":
         raise ValueError("traffic: closed-loop traffic is driven by ClosedLoopClients, not a list")
+    schemas = SchemaPicker.of(spec)
     if spec.kind == "trace":
         assert spec.path is not None
         rows = load_trace(spec.path, time_scale=spec.time_scale, max_requests=spec.num_requests)
@@ -164,9 +168,9 @@ def generate(spec: TrafficSpec, max_model_len: int) -> list[TrafficRequest]:
             out.append(
                 TrafficRequest(r.arrival_s, prompt, output, r.priority, r.prefix_group, prefix)
             )
-        return out
+        return [schemas.apply(r) for r in out]
     rng = _shape_rng(spec.seed)
-    return [_draw(spec, rng, t, max_len) for t in _arrivals(spec)]
+    return [schemas.apply(_draw(spec, rng, t, max_len)) for t in _arrivals(spec)]
 
 
 class ClosedLoopClients:
@@ -183,6 +187,7 @@ class ClosedLoopClients:
         self._max_len = _check_max_len(max_model_len)
         self._think_rng = random.Random(spec.seed)
         self._rng = _shape_rng(spec.seed)
+        self._schemas = SchemaPicker.of(spec)
         self._busy = [False] * spec.clients
         self._started = False
         self.issued = 0  #: requests issued so far (<= num_requests)
@@ -199,7 +204,7 @@ class ClosedLoopClients:
             return None
         self.issued += 1
         self._busy[client] = True
-        return _draw(spec, self._rng, arrival, self._max_len)
+        return self._schemas.apply(_draw(spec, self._rng, arrival, self._max_len))
 
     def initial(self) -> list[tuple[int, TrafficRequest]]:
         """(client id, first request) per client, by arrival; call once."""

@@ -17,7 +17,10 @@ Common to poisson, gamma, closed: n (requests), duration (s: arrivals up to this
 `n` too, whichever ends first), prompt, output (default 512, 128), prefix_groups and prefix
 (requests pick one of `prefix_groups` groups uniformly; a group shares its first `prefix`
 prompt tokens, clamped to prompt - 1), priorities (uniform over range(priorities); lower
-is served first), seed (default 0). `trace` also takes n and duration.
+is served first). `trace` also takes n and duration. Every kind takes seed (default 0),
+json (the fraction in [0, 1] of requests constrained by a JSON schema; default 0) and
+schema (a JSON file holding one schema or a list of them; default: the built-in set of
+`tandem.simulate.constrained`), e.g. `poisson:rate=5,n=200,json=0.3`.
 Lengths: `N` (fixed), `uniform(lo,hi)` (inclusive), `lognormal(mean,sigma[,max])` (sigma of
 the underlying normal, its mu chosen so the mean is `mean`). A bad spec raises ValueError
 naming the key and what it expects.
@@ -88,6 +91,8 @@ class TrafficSpec:
     clients: int = 0
     think_s: float = 0.0
     seed: int = 0
+    json_fraction: float = 0.0
+    schema_path: str | None = None
 
     def __post_init__(self) -> None:
         kind = self.kind
@@ -116,6 +121,12 @@ class TrafficSpec:
             raise ValueError("traffic: 'prefix_groups' and 'prefix' go together (both > 0)")
         if not (0 < self.time_scale < math.inf and 0 <= self.think_s < math.inf):
             raise ValueError("traffic: need 'time_scale' > 0 and 'think' >= 0 (seconds)")
+        if not 0.0 <= self.json_fraction <= 1.0:
+            raise ValueError(
+                f"traffic: 'json' must be a fraction in [0, 1], got {self.json_fraction}"
+            )
+        if self.schema_path is not None and self.json_fraction == 0.0:
+            raise ValueError("traffic: 'schema' needs 'json' > 0 (the fraction it constrains)")
 
 
 # --- the CLI spec ------------------------------------------------------------------------
@@ -178,6 +189,13 @@ def _count(low: int) -> Callable[[str, str], int]:
     return lambda k, v: _integer(k, v, f"an integer >= {low}", low)
 
 
+def _fraction(key: str, raw: str) -> float:
+    value = _number(key, raw, "a fraction in [0, 1]", low=0, strict=False, inf=False)
+    if value > 1:
+        raise _bad(key, "a fraction in [0, 1]", raw)
+    return value
+
+
 def _path(key: str, raw: str) -> str:
     if not raw:
         raise _bad(key, "a file path", raw)
@@ -200,12 +218,16 @@ _KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "clients": ("clients", _count(1)),
     "think": ("think_s", _nonneg("seconds")),
     "seed": ("seed", _count(0)),
+    "json": ("json_fraction", _fraction),
+    "schema": ("schema_path", _path),
 }
-_SHAPE_KEYS = {"n", "duration", "prompt", "output", "prefix_groups", "prefix", "priorities", "seed"}
+_JSON_KEYS = {"json", "schema", "seed"}
+_SHAPE_KEYS = {"n", "duration", "prompt", "output", "prefix_groups", "prefix", "priorities"}
+_SHAPE_KEYS |= _JSON_KEYS
 _KIND_KEYS = {
     "poisson": _SHAPE_KEYS | {"rate"},
     "gamma": _SHAPE_KEYS | {"rate", "cv"},
-    "trace": {"path", "time_scale", "n", "duration"},
+    "trace": {"path", "time_scale", "n", "duration"} | _JSON_KEYS,
     "closed": _SHAPE_KEYS | {"clients", "think"},
 }
 

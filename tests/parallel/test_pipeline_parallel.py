@@ -20,6 +20,7 @@ from tandem import LLM, SamplingParams
 from tandem.schema.config import ConfigError
 from tandem.schema.structured_outputs import StructuredOutputsParams
 from tandem.testing.engine import make_request
+from tests.parallel.tight_workload import GREEDY, TIGHT
 
 SHARED = list(range(100, 124))
 PROMPTS = [
@@ -29,16 +30,6 @@ PROMPTS = [
     SHARED + [7, 7, 7],
     SHARED + [9, 8, 7, 6, 5],
 ]
-#: Preemption (18 blocks of 4 for ~150 tokens), chunked prefill (16-token budget), shared
-#: prefixes.
-TIGHT = dict(
-    block_size=4,
-    num_kv_blocks=18,
-    max_model_len=64,
-    max_num_batched_tokens=16,
-    enable_prefix_caching=True,
-)
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 def _tokens(llm: LLM, params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

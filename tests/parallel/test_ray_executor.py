@@ -21,6 +21,7 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.core.executor import executor_class
 from tandem.schema.config import ConfigError
+from tests.parallel.tight_workload import GREEDY, TIGHT
 
 if os.environ.get("CI"):
     import ray  # CI installs the extra: a missing Ray must fail here, not skip
@@ -35,16 +36,6 @@ PROMPTS = [
     SHARED + [7, 7, 7],
     SHARED + [9, 8, 7, 6, 5],
 ]
-#: Preemption (18 blocks of 4 for ~150 tokens), chunked prefill (16-token budget), shared
-#: prefixes.
-TIGHT = dict(
-    block_size=4,
-    num_kv_blocks=18,
-    max_model_len=64,
-    max_num_batched_tokens=16,
-    enable_prefix_caching=True,
-)
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 def _tokens(llm: LLM, params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

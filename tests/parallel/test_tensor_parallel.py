@@ -18,6 +18,7 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.schema.config import ConfigError
 from tandem.schema.structured_outputs import StructuredOutputsParams
+from tests.parallel.tight_workload import GREEDY, TIGHT
 
 #: Prompts of 3..41 tokens; the last two share a 24-token prefix (prefix caching).
 SHARED = list(range(100, 124))
@@ -28,16 +29,6 @@ PROMPTS = [
     SHARED + [7, 7, 7],
     SHARED + [9, 8, 7, 6, 5],
 ]
-#: A pool small enough to preempt (block 4, 18 blocks = 72 tokens for ~150 needed) and a
-#: 16-token budget that chunks the long prompt.
-TIGHT = dict(
-    block_size=4,
-    num_kv_blocks=18,
-    max_model_len=64,
-    max_num_batched_tokens=16,
-    enable_prefix_caching=True,
-)
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 def _tokens(llm: LLM, params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

@@ -12,25 +12,17 @@ from typing import Any
 
 import pytest
 
-from tandem import LLM, SamplingParams
+from tandem import LLM
 from tandem.models.quant_linear import LinearQuantization
 from tandem.models.tensor_parallel import check_quantized_split
 from tandem.schema.config import ConfigError
 from tandem.testing.tiny_gguf import tiny_gguf_config, write_tiny_gguf
 from tandem.testing.tiny_model import tiny_config
+from tests.parallel.tight_workload import GREEDY, TIGHT
 
 #: Prompts of 3..41 tokens; the last two share a 24-token prefix (prefix caching).
 SHARED = list(range(100, 124))
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 61)), SHARED + [7, 7, 7], SHARED + [9]]
-#: A pool that preempts, a budget that chunks the long prompt.
-TIGHT = dict(
-    block_size=4,
-    num_kv_blocks=18,
-    max_model_len=64,
-    max_num_batched_tokens=16,
-    enable_prefix_caching=True,
-)
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 ROLES = ["token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate"]
 ROLES += ["ffn_up", "ffn_down"]
 ALL_Q4_1 = dict.fromkeys(ROLES, "Q4_1")

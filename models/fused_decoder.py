@@ -29,6 +29,7 @@ import torch
 from tandem.core.worker.parallel_state import RankInfo, tp_all_reduce
 from tandem.core.worker.pipeline import PipelineLink
 from tandem.models.checkpoint_shards import CheckpointShards, ModuleWeights, WeightSource
+from tandem.models.decode_program import DecodeProgram
 from tandem.models.decoder_elementwise import (
     Elementwise,
     RotaryTable,
@@ -278,6 +279,7 @@ class FusedDecoder:
         tp_size = tp.tp_size if tp is not None else 1
         #: Sum the row-parallel outputs over the ranks (identity on one rank).
         self.reduce = tp_all_reduce if tp_size > 1 else _identity
+        self.tp_size = tp_size
         #: bfloat16 weights on CPU, float32 activations (see `float32_compute`).
         self.bf16_cpu = float32_compute(causal_lm)
         self.embed: Any
@@ -332,6 +334,8 @@ class FusedDecoder:
         self.kv_size = self.num_kv_heads * self.head_dim
         self._elementwise_key: tuple[torch.device, torch.dtype] | None = None
         self._elementwise: Elementwise = TorchElementwise()
+        #: All-decode steps in one compiled call, where the layers allow (`decode_program`).
+        self.decode_program = DecodeProgram.build(self)
 
     def _elementwise_for(self, h: torch.Tensor) -> Elementwise:
         key = (h.device, h.dtype)
@@ -360,6 +364,10 @@ class FusedDecoder:
             )
         ew = self._elementwise_for(h)
         rope_rows = self.rotary_table.rows_for(positions)
+        if self.decode_program is not None:
+            hidden = self.decode_program.run(h, rope_rows, meta)
+            if hidden is not None:
+                return hidden
         tokens = h.shape[0]
         last = link is None or link.is_last
         final_norm = self.norm_weight if last else self._stage_end_norm

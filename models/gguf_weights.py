@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from tandem.models.checkpoint_shards import CheckpointLayer, CheckpointShards
+from tandem.models.gguf_index import GGUFIndex, GGUFTensor
 from tandem.models.quantized_weight import GGUF_KEPT_TYPES, QuantizedWeight, from_gguf_blocks
 
 logger = logging.getLogger("tandem.model")
@@ -83,16 +84,15 @@ class GGUFShards:
     `QuantizedWeight` block, of anything else the float tensor from `floats`."""
 
     def __init__(self, path: Path, floats: CheckpointShards, hf_config: Any, names: list[str]):
-        from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+        from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
         self.path, self.floats, self.hf_config = path, floats, hf_config
-        reader = GGUFReader(str(path))
-        field = reader.get_field("general.architecture")
-        self.arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+        index = GGUFIndex(path)
+        self.arch = index.architecture()
         arch_id = {v: k for k, v in MODEL_ARCH_NAMES.items()}.get(self.arch)
-        by_name = {t.name: t for t in reader.tensors}
+        by_name = {t.name: t for t in index.tensors}
         name_map = get_tensor_name_map(arch_id, hf_config.num_hidden_layers) if arch_id else None
-        self._tensors: dict[str, Any] = {}
+        self._tensors: dict[str, GGUFTensor] = {}
         dequantized: Counter[str] = Counter()
         kept: Counter[str] = Counter()
         for name in names:

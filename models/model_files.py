@@ -50,16 +50,15 @@ def embedded_gguf_path() -> Path:
 
 
 def gguf_architecture(path: Path) -> str:
-    from gguf import GGUFReader
+    from tandem.models.gguf_index import GGUFIndex
 
     try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # the gguf reader raises bare errors for corrupt files
+        architecture = GGUFIndex(path).architecture()
+    except (OSError, ValueError) as exc:
         raise ConfigError(f"model.model: {path} is not a readable GGUF file ({exc})") from exc
-    field = reader.fields.get("general.architecture")
-    if field is None:
+    if not architecture:
         raise ConfigError(f"model.model: {path} has no general.architecture field")
-    return bytes(field.parts[field.data[0]]).decode()
+    return architecture
 
 
 def gguf_cache_dir(path: Path) -> Path:

@@ -76,13 +76,30 @@ def _panels(per_row: torch.Tensor) -> torch.Tensor:
     return moved.contiguous()
 
 
+#: Rows packed at a time (a multiple of the panel width): bounds the temporaries of
+#: `pack_codes` to a few MB whatever the weight's size (a 49k-row table made ~270 MB).
+PACK_BLOCK_ROWS = 1024
+
+
 def pack_codes(weight: QuantizedWeight) -> torch.Tensor:
     """The kernel's code layout: `[panels, ceil(in / c), 16]` 32-bit words (int32 holding
     uint32 bits), c = 32 / bits codes per word; word (p, w, col) holds the codes of column
     p * 16 + col for inputs w * c .. w * c + c - 1, code j in bits [bits * j, bits * (j + 1))
     (inputs past the end: zero)."""
+    out, inn = weight.codes.shape
     per = 32 // weight.bits
-    codes = _panels(weight.codes)  # [panels, in, 16]
+    packed = torch.empty((-(-out // PANEL), -(-inn // per), PANEL), dtype=torch.int32)
+    for start in range(0, out, PACK_BLOCK_ROWS):
+        block = _pack_block(weight.codes[start : start + PACK_BLOCK_ROWS], weight.bits)
+        first = start // PANEL
+        packed[first : first + block.shape[0]] = block
+    return packed
+
+
+def _pack_block(rows: torch.Tensor, bits: int) -> torch.Tensor:
+    """`pack_codes` of a block of rows (`[rows, in]` codes)."""
+    per = 32 // bits
+    codes = _panels(rows)  # [panels, in, 16]
     panels, inn, _ = codes.shape
     words = -(-inn // per)
     padded = codes.new_zeros((panels, words * per, PANEL))
@@ -91,10 +108,10 @@ def pack_codes(weight: QuantizedWeight) -> torch.Tensor:
     packed = torch.zeros((panels, words, PANEL), dtype=torch.int32)
     for j in range(per):  # one code position at a time: temporaries of 4 bytes per word
         code = lanes[:, :, j, :].to(torch.int32)
-        if weight.bits * (j + 1) == 32:  # the word's last code holds bit 31: shift its
-            half = 1 << (weight.bits - 1)  # two's-complement value instead of overflowing
+        if bits * (j + 1) == 32:  # the word's last code holds bit 31: shift its
+            half = 1 << (bits - 1)  # two's-complement value instead of overflowing
             code = torch.where(code >= half, code - 2 * half, code)
-        packed |= code << (weight.bits * j)
+        packed |= code << (bits * j)
     return packed
 
 

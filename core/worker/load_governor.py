@@ -10,20 +10,26 @@ benchmarks/results/omp_wait_probe.json). So the thread count follows the load in
 a wait policy that is wrong in one of the two cases.
 
 `LoadGovernor.threads()` is asked before each step. At most every `interval_s` it samples
-how many *other* runnable tasks the machine has: the system's runnable count
-(`/proc/loadavg`, fourth field, numerator) minus the runnable threads
-(`/proc/PID/task/*/stat`, state `R`) of this process and its parent. The worker's spinning
-threads and the API server of `tandem serve` streaming tokens are the server's own work, not
-a neighbour's (counting the API server as one took a thread away at 1 req/s: TPOT p50
-111.6 ms against 56.9 with the threads kept, one run each).
+how many cores *other* processes kept busy since the previous sample (`OtherCpuLoad`): the
+machine's busy CPU time (`/proc/stat`: user, nice, system, irq, softirq) minus the CPU time
+of this process and its parent (`/proc/PID/stat`, utime + stime), over the elapsed time. The
+worker's spinning threads and the API server of `tandem serve` streaming tokens are the
+server's own work, not a neighbour's (counting the API server as one took a thread away at
+1 req/s: TPOT p50 111.6 ms against 56.9 with the threads kept, one run each).
 
-The answer is `clamp(cores - others, 1, max_threads)` with `others` the fewest seen over
-the last `window` samples: a neighbour that keeps a core busy all that time (about
-`window * interval_s`) takes a thread away, and the thread comes back one sample after it
-stops; bursts (the benchmark client parsing a stream, kernel threads, a shell) do not move
-it. On a quiet 2-core machine serving 1 req/s, single samples saw 0-4 other runnable tasks
-(median 1) and the fewest over 5 samples was 0 in 70 of 80; two busy neighbours count 2 in
-every sample. Without `/proc` (not Linux) the count stays `max_threads`.
+The answer is `clamp(cores - round(others), 1, max_threads)` with `others` the least seen
+over the last `window` samples: a neighbour that keeps at least half a core busy all that
+time (about `window * interval_s`) takes a thread away, and the thread comes back one
+sample after it stops. A light neighbour does not move it: the load generator of a serving
+benchmark, parsing 32 token streams on the same 2 cores, used well under half a core.
+
+The sampler measures time, not instants. An instant count (`/proc/loadavg`'s running tasks
+minus this family's threads in state R) reads two moments apart while the worker's threads
+change state: in a 32-request burst through `tandem serve` on a 2-core EPYC it came out 1-2
+too high in about half the samples (a scan of every other process at the same samples found
+only the load generator, and only in some). The worker then dropped to 1 thread, and the
+burst took 15.9-21.3 s over 4 runs, against 15.9-16.1 s with the governor off. Without `/proc` (not Linux) the count stays
+`max_threads`.
 """
 
 from __future__ import annotations
@@ -33,7 +39,6 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 
 logger = logging.getLogger("tandem.worker")
 
@@ -42,22 +47,32 @@ INTERVAL_S = 0.5
 WINDOW = 5
 
 
-def _runnable_threads(pid: int | str) -> int:
-    """Threads of process `pid` in state R (0 when it is gone)."""
-    count = 0
+#: Fields of /proc/stat's `cpu` line that are busy time: user, nice, system, irq, softirq
+#: (idle, iowait and the hypervisor's steal are not a neighbour's work; guest time is
+#: already inside user).
+_BUSY_FIELDS = (0, 1, 2, 5, 6)
+
+
+def _machine_busy_ticks() -> int | None:
     try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    return sum(int(fields[1 + i]) for i in _BUSY_FIELDS)
+
+
+def _process_ticks(pid: int) -> int:
+    """utime + stime of process `pid`, every thread (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
     except OSError:
         return 0
-    for task in tasks:
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:  # the thread exited meanwhile
-            continue
-        end = stat.rindex(")")
-        if stat[end + 2 : end + 3] == "R":
-            count += 1
-    return count
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5)
 
 
 def _family() -> set[int]:
@@ -67,16 +82,26 @@ def _family() -> set[int]:
     return {os.getpid(), os.getppid()}
 
 
-def runnable_others() -> int | None:
-    """Runnable tasks on the machine that are not threads of this process's family
-    (`_family`); None without `/proc`."""
-    try:
-        with open("/proc/loadavg") as f:
-            running = int(f.read().split()[3].split("/")[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    own = sum(_runnable_threads(pid) for pid in _family())
-    return max(0, running - own)
+class OtherCpuLoad:
+    """Each call: the cores that processes outside this family (`_family`) kept busy since
+    the previous call, on average. None on the first call, when no time has passed, and
+    without `/proc`."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._last: tuple[float, int, int] | None = None
+        self._tick_s = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+    def __call__(self) -> float | None:
+        now, busy = self._clock(), _machine_busy_ticks()
+        if busy is None:
+            return None
+        own = sum(_process_ticks(pid) for pid in _family())
+        last, self._last = self._last, (now, busy, own)
+        if last is None or now <= last[0]:
+            return None
+        others = (busy - last[1]) - (own - last[2])
+        return max(0.0, others * self._tick_s / (now - last[0]))
 
 
 class LoadGovernor:
@@ -87,7 +112,7 @@ class LoadGovernor:
         max_threads: int,
         cores: int,
         *,
-        sample: Callable[[], int | None] = runnable_others,
+        sample: Callable[[], float | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         interval_s: float = INTERVAL_S,
         window: int = WINDOW,
@@ -95,9 +120,10 @@ class LoadGovernor:
         if max_threads < 1 or cores < 1:
             raise ValueError(f"max_threads and cores must be >= 1, got {max_threads}, {cores}")
         self.max_threads, self.cores = max_threads, cores
-        self._sample, self._clock = sample, clock
+        self._sample = sample if sample is not None else OtherCpuLoad(clock)
+        self._clock = clock
         self._interval_s = interval_s
-        self._others: deque[int] = deque(maxlen=window)
+        self._others: deque[float] = deque(maxlen=window)
         self._next_sample = float("-inf")
         self._threads = max_threads
 
@@ -111,11 +137,11 @@ class LoadGovernor:
         if others is None:
             return self._threads
         self._others.append(others)
-        busy = min(self._others)
+        busy = int(min(self._others) + 0.5)  # cores taken: a neighbour's half core or more
         threads = max(1, min(self.max_threads, self.cores - busy))
         if threads != self._threads:
             logger.info(
-                "worker: %d torch threads (%d other runnable tasks on %d cores)",
+                "worker: %d torch threads (other processes keep %d of %d cores busy)",
                 threads,
                 busy,
                 self.cores,

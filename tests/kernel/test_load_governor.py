@@ -12,24 +12,25 @@ import torch
 
 from tandem.config_resolution import resolve_config
 from tandem.core.scheduler_output import SchedulerOutput
-from tandem.core.worker.load_governor import LoadGovernor, runnable_others
+from tandem.core.worker.load_governor import LoadGovernor, OtherCpuLoad
 from tandem.core.worker.worker import Worker, load_governor
 from tandem.stack_file import load_config
 
 
 class Script:
-    """Returns the next scripted number of other runnable tasks; counts the calls."""
+    """Returns the next scripted load of other processes (cores kept busy); counts the
+    calls."""
 
-    def __init__(self, values: list[int | None]) -> None:
+    def __init__(self, values: list[float | None]) -> None:
         self.values, self.calls = list(values), 0
 
-    def __call__(self) -> int | None:
+    def __call__(self) -> float | None:
         self.calls += 1
         return self.values.pop(0)
 
 
 def governor(
-    values: list[int | None], max_threads: int = 2, cores: int = 2
+    values: list[float | None], max_threads: int = 2, cores: int = 2
 ) -> tuple[LoadGovernor, Script, list[float]]:
     now = [0.0]
     script = Script(values)
@@ -93,27 +94,57 @@ def test_bad_arguments_are_refused() -> None:
         LoadGovernor(0, 2)
 
 
+def test_a_light_neighbour_keeps_the_threads_and_half_a_core_takes_one() -> None:
+    """Cores are taken in whole numbers, from half a core up: a load generator's 0.3 moves
+    nothing, a neighbour at 0.6 (one busy process sharing two cores with two spinning
+    threads gets about two thirds of one) takes a thread."""
+    gov, _, now = governor([0.3, 0.4, 0.3, 0.6, 0.7, 0.65, 1.4])
+    seen = []
+    for _ in range(7):
+        seen.append(gov.threads())
+        now[0] += 0.5
+    assert seen == [2, 2, 2, 2, 2, 1, 1]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_runnable_others_sees_a_busy_neighbour_and_not_this_process() -> None:
-    """A child spinning for a few seconds is another runnable task; this process's own
-    running thread (the one reading) is not counted."""
+def test_other_cpu_load_sees_a_busy_neighbour() -> None:
+    """A child spinning for a second keeps most of a core busy; the first call has no
+    interval yet."""
+    load = OtherCpuLoad()
+    assert load() is None
     child = subprocess.Popen(
         [sys.executable, "-c", "import time\nend = time.time() + 20\nwhile time.time() < end: pass"]
     )
     try:
-        deadline = time.monotonic() + 15
         seen = []
+        deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            others = runnable_others()
-            assert others is not None
-            seen.append(others)
-            if others >= 1:
+            time.sleep(1.0)
+            value = load()
+            assert value is not None
+            seen.append(value)
+            if value >= 0.5:
                 break
-            time.sleep(0.05)
-        assert max(seen) >= 1, seen
+        assert max(seen) >= 0.5, seen
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_other_cpu_load_leaves_out_this_process() -> None:
+    """This process spinning is its own work: what it adds is not counted. Measured as a
+    difference against an idle interval, so a busy machine shifts both readings alike."""
+    load = OtherCpuLoad()
+    load()
+    time.sleep(1.0)
+    idle = load()
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        pass
+    spinning = load()
+    assert idle is not None and spinning is not None
+    assert spinning < idle + 0.5, (idle, spinning)
 
 
 def test_the_worker_applies_the_governors_count() -> None:

@@ -33,10 +33,9 @@ from tandem.schema.config import ConfigError, EngineConfig
 from tandem.stack_file import load_config
 from tandem.testing.engine import collect_outputs, make_request
 from tandem.testing.tiny_diffusion_gemma import DIFFUSION_GEMMA_CONFIGS, tiny_diffusion_gemma
+from tests.diffusion.gemma_workload import PROMPTS, SEEDS, run
 
 SCHEDULE = {"max_denoising_steps": 3, "t_min": 0.4, "t_max": 0.8, "entropy_bound": 0.1}
-PROMPTS = [[5, 9, 11, 7, 3, 8, 21, 4, 6], [7, 3], [4, 17, 5, 6, 30]]
-SEEDS = [11, 1234, 7]
 
 
 @pytest.fixture(scope="module", params=sorted(DIFFUSION_GEMMA_CONFIGS))
@@ -104,15 +103,6 @@ def reference(hf: Any, prompt: list[int], seed: int, max_tokens: int) -> list[in
         ).sequences[0, len(prompt) :]  # fmt: skip
     assert seq.numel() == -(-max_tokens // length) * length
     return seq[:max_tokens].tolist()
-
-
-def run(core: EngineCore, max_tokens: int) -> dict[str, list[int]]:
-    for i, (prompt, seed) in enumerate(zip(PROMPTS, SEEDS, strict=True)):
-        request = make_request(f"r{i}", prompt, eos_token_id=None, max_tokens=max_tokens, seed=seed)
-        core.add_request(request)
-    out = {rid: tokens for rid, (tokens, _) in collect_outputs(core, max_steps=500).items()}
-    assert core.scheduler_state.kv_cache_manager.all_blocks_free()
-    return out
 
 
 @pytest.fixture

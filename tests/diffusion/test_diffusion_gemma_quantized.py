@@ -41,7 +41,6 @@ from tandem.models.quant_experts import QuantExperts
 from tandem.models.quant_linear import LinearQuantization, QuantLinear
 from tandem.schema.config import ConfigError, EngineConfig
 from tandem.stack_file import load_config
-from tandem.testing.engine import collect_outputs, make_request
 from tandem.testing.tiny_diffusion_gemma import (
     BLOCK,
     DIFFUSION_GEMMA_CONFIGS,
@@ -49,12 +48,11 @@ from tandem.testing.tiny_diffusion_gemma import (
     reference_logits,
     tiny_diffusion_gemma,
 )
+from tests.diffusion.gemma_workload import PROMPTS, SEEDS, run
 
 TOL = 1e-4
 MODES = {"int8": LinearQuantization("int8", 32), "int4": LinearQuantization("int4", 32)}
 SCHEDULE = {"max_denoising_steps": 3, "t_min": 0.4, "t_max": 0.8, "entropy_bound": 0.1}
-PROMPTS = [[5, 9, 11, 7, 3, 8, 21, 4, 6], [7, 3], [4, 17, 5, 6, 30]]
-SEEDS = [11, 1234, 7]
 CPU = torch.device("cpu")
 
 
@@ -258,15 +256,6 @@ def engine(path: Path, **overrides: Any) -> EngineCore:
     return EngineCore(resolve_config(load_config(base, **{**settings, **overrides})))
 
 
-def generate(core: EngineCore, max_tokens: int) -> dict[str, list[int]]:
-    for i, (prompt, seed) in enumerate(zip(PROMPTS, SEEDS, strict=True)):
-        request = make_request(f"r{i}", prompt, eos_token_id=None, max_tokens=max_tokens, seed=seed)
-        core.add_request(request)
-    out = {rid: tokens for rid, (tokens, _) in collect_outputs(core, max_steps=500).items()}
-    assert core.scheduler_state.kv_cache_manager.all_blocks_free()
-    return out
-
-
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_engine_tokens_equal_the_float_engine_on_dequantized_weights(
     checkpoint: Path, dequantized: dict[str, Path], mode: str
@@ -275,8 +264,8 @@ def test_engine_tokens_equal_the_float_engine_on_dequantized_weights(
         str(checkpoint)
     ).canvas_length
     max_tokens = length + length // 2  # two canvases, the second trimmed
-    got = generate(engine(checkpoint, quantization=mode), max_tokens)
-    want = generate(engine(dequantized[mode], quantization="none"), max_tokens)
+    got = run(engine(checkpoint, quantization=mode), max_tokens)
+    want = run(engine(dequantized[mode], quantization="none"), max_tokens)
     assert all(len(got[f"r{i}"]) == max_tokens for i in range(len(PROMPTS)))
     assert got == want
 
@@ -285,7 +274,7 @@ def test_llm_runs_the_quantized_diffusion_model_end_to_end(
     checkpoint: Path, dequantized: dict[str, Path]
 ) -> None:
     max_tokens = 6
-    want = generate(engine(dequantized["int8"], quantization="none"), max_tokens)["r0"]
+    want = run(engine(dequantized["int8"], quantization="none"), max_tokens)["r0"]
     llm = LLM(
         model=str(checkpoint),
         device="cpu",

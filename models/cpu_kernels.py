@@ -35,7 +35,7 @@ def load_library(source: str, abi_symbol: str, abi: int, fallback: str) -> ctype
 
 #: The KV pool dtypes the decode kernel reads.
 KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16)
-PAGED_DECODE_ABI = 4
+PAGED_DECODE_ABI = 5
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class PagedDecodeKernel:
     function: ctypes._CFuncPtr  # type: ignore[name-defined]
     function_bf16: ctypes._CFuncPtr  # type: ignore[name-defined]
     write_function: ctypes._CFuncPtr  # type: ignore[name-defined]
+    write_function_bf16: ctypes._CFuncPtr  # type: ignore[name-defined]
 
     def write_kv(
         self,
@@ -60,9 +61,10 @@ class PagedDecodeKernel:
         value: torch.Tensor,
         slots: torch.Tensor,  # [T] int64, contiguous
     ) -> bool:
-        """Store `key`/`value` rows at `slots` of float32 pools in one pass; False (nothing
-        written) when the dtypes or strides are not the kernel's: the caller uses torch."""
-        if key_pool.dtype != torch.float32 or value_pool.dtype != torch.float32:
+        """Store float32 `key`/`value` rows at `slots` of float32 or bfloat16 pools (rounded
+        as torch's cast rounds) in one pass; False (nothing written) when the dtypes or
+        strides are not the kernel's: the caller uses torch."""
+        if key_pool.dtype != value_pool.dtype or key_pool.dtype not in KERNEL_POOL_DTYPES:
             return False
         if slots.dtype != torch.int64 or not slots.is_contiguous():
             return False
@@ -71,7 +73,10 @@ class PagedDecodeKernel:
             if rows.dtype != torch.float32 or rows.stride()[1:] != (head_dim, 1):
                 return False
         if num_tokens:
-            self.write_function(
+            write = (
+                self.write_function if key_pool.dtype == torch.float32 else self.write_function_bf16
+            )
+            write(
                 key_pool.data_ptr(),
                 value_pool.data_ptr(),
                 key.data_ptr(),
@@ -137,7 +142,8 @@ def paged_decode_kernel() -> PagedDecodeKernel | None:
     for fn in functions:
         fn.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
         fn.restype = None
-    write = library.tandem_write_kv_f32
-    write.argtypes = [ptr] * 5 + [i64] * 6
-    write.restype = None
-    return PagedDecodeKernel(*functions, write)
+    writes = (library.tandem_write_kv_f32, library.tandem_write_kv_bf16)
+    for write in writes:
+        write.argtypes = [ptr] * 5 + [i64] * 6
+        write.restype = None
+    return PagedDecodeKernel(*functions, *writes)

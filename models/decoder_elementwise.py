@@ -168,6 +168,44 @@ class FusedElementwise:
         )
         return out
 
+    # bfloat16 operands of bf16 linears (`FusedDecoder`'s bf16 path; `fused_ops` states
+    # their exactness): h and the norm weights stay float32.
+    def rms_norm_bf16(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        self.lib.tandem_rms_norm_bf16(
+            x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def add_rms_norm_bf16_(
+        self,
+        h: torch.Tensor,
+        delta: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """`h += delta` (bfloat16) in place; the norm of the new `h` in `out_dtype`."""
+        delta = delta.contiguous()
+        out = torch.empty(h.shape, dtype=out_dtype)
+        self.lib.tandem_add_rms_norm_bf16(
+            h.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            int(out_dtype == torch.bfloat16), h.shape[0], h.shape[1], eps,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def silu_mul_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
+        rows, width = gate_up.shape
+        out = gate_up.new_empty((rows, width // 2))
+        self.lib.tandem_silu_mul_bf16(
+            gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()
+        )
+        return out
+
 
 def pick_elementwise(device: torch.device, dtype: torch.dtype) -> Elementwise:
     """The compiled kernels for float32 activations on CPU when they load, else torch."""

@@ -21,6 +21,7 @@ the same layers, built by the same code from another `WeightSource`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from tandem.models.checkpoint_shards import CheckpointShards, ModuleWeights, Wei
 from tandem.models.decode_program import DecodeProgram
 from tandem.models.decoder_elementwise import (
     Elementwise,
+    FusedElementwise,
     RotaryTable,
     TorchElementwise,
     pick_elementwise,
@@ -336,6 +338,18 @@ class FusedDecoder:
         self._elementwise: Elementwise = TorchElementwise()
         #: All-decode steps in one compiled call, where the layers allow (`decode_program`).
         self.decode_program = DecodeProgram.build(self)
+        #: Every linear a oneDNN bfloat16 GEMM on one rank: the layers then keep the GEMMs'
+        #: operands in bfloat16 between them (`_layers_bf16`; `TANDEM_BF16_OPERANDS=0` off).
+        self.bf16_operands = (
+            tp_size == 1
+            and bool(self.layers)
+            and os.environ.get("TANDEM_BF16_OPERANDS", "1") != "0"
+            and all(
+                isinstance(linear, PackedLinear) and linear.takes_bf16
+                for layer in self.layers
+                for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            )
+        )
 
     def _elementwise_for(self, h: torch.Tensor) -> Elementwise:
         key = (h.device, h.dtype)
@@ -368,39 +382,80 @@ class FusedDecoder:
             hidden = self.decode_program.run(h, rope_rows, meta)
             if hidden is not None:
                 return hidden
-        tokens = h.shape[0]
         last = link is None or link.is_last
         final_norm = self.norm_weight if last else self._stage_end_norm
         norm_weights = [layer.ln_in for layer in self.layers[1:]] + [final_norm]
-        x = ew.rms_norm(h, self.layers[0].ln_in, self.eps) if self.layers else h
-        for layer, next_norm in zip(self.layers, norm_weights, strict=True):
-            qkv = layer.qkv(x).contiguous()
-            if layer.q_norm is not None:
-                self._norm_heads_(qkv, layer, tokens)
-            ew.rope_(qkv, rope_rows, self.num_heads, self.num_kv_heads)
-            q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
-                tokens, self.num_kv_heads, self.head_dim
-            )
-            v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
-            attn, _ = paged_attention(
-                layer,  # exposes layer_idx, as an HF attention module does
-                q.transpose(0, 1)[None],
-                k.transpose(0, 1)[None],
-                v.transpose(0, 1)[None],
-                None,
-                scaling=self.scaling,
-                paged=meta,
-            )
-            o = self.reduce(layer.o(attn.reshape(tokens, self.q_size)))
-            x = ew.add_rms_norm_(h, o, layer.ln_post, self.eps)
-            down = self.reduce(layer.down(ew.silu_mul(layer.gate_up(x))))
-            x = ew.add_rms_norm_(h, down, next_norm, self.eps)
+        if self.bf16_operands and isinstance(ew, FusedElementwise):
+            x = self._layers_bf16(h, ew, rope_rows, meta, norm_weights)
+        else:
+            x = ew.rms_norm(h, self.layers[0].ln_in, self.eps) if self.layers else h
+            for layer, next_norm in zip(self.layers, norm_weights, strict=True):
+                attn = self._attention(layer, layer.qkv(x).contiguous(), ew, rope_rows, meta)
+                o = self.reduce(layer.o(attn))
+                x = ew.add_rms_norm_(h, o, layer.ln_post, self.eps)
+                down = self.reduce(layer.down(ew.silu_mul(layer.gate_up(x))))
+                x = ew.add_rms_norm_(h, down, next_norm, self.eps)
         if not last:
             assert link is not None
             link.send_hidden(h)
             return None
         return x if self.layers else ew.rms_norm(h, self.norm_weight, self.eps)
+
+    def _attention(
+        self,
+        layer: _Layer,
+        qkv: torch.Tensor,
+        ew: Elementwise,
+        rope_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        meta: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        """The attention output `[T, q_size]` of one layer from its QKV projection's output
+        (per-head norms and RoPE applied in place first)."""
+        tokens = qkv.shape[0]
+        if layer.q_norm is not None:
+            self._norm_heads_(qkv, layer, tokens)
+        ew.rope_(qkv, rope_rows, self.num_heads, self.num_kv_heads)
+        q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+            tokens, self.num_kv_heads, self.head_dim
+        )
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        attn, _ = paged_attention(
+            layer,  # exposes layer_idx, as an HF attention module does
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            None,
+            scaling=self.scaling,
+            paged=meta,
+        )
+        return attn.reshape(tokens, self.q_size)
+
+    def _layers_bf16(
+        self,
+        h: torch.Tensor,
+        ew: FusedElementwise,
+        rope_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        meta: PagedAttentionMetadata,
+        norm_weights: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """The layers when every linear is a oneDNN bfloat16 GEMM (`bf16_operands`): the
+        norms and SiLU * up write the GEMMs' bfloat16 inputs and the residual adds read
+        their bfloat16 outputs, instead of casting each operand on its own. The same bits
+        as the float32-operand loop (which casts to bfloat16 for each GEMM and widens its
+        output); the residual stream, the attention and the returned norm stay float32."""
+        x = ew.rms_norm_bf16(h, self.layers[0].ln_in, self.eps)
+        last = len(self.layers) - 1
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norm_weights, strict=True)):
+            qkv = layer.qkv.call_bf16(x).float()  # type: ignore[attr-defined]
+            attn = self._attention(layer, qkv, ew, rope_rows, meta)
+            o = layer.o.call_bf16(attn.to(torch.bfloat16))  # type: ignore[attr-defined]
+            x = ew.add_rms_norm_bf16_(h, o, layer.ln_post, self.eps, torch.bfloat16)
+            act = ew.silu_mul_bf16(layer.gate_up.call_bf16(x))  # type: ignore[attr-defined]
+            down = layer.down.call_bf16(act)  # type: ignore[attr-defined]
+            out_dtype = torch.float32 if i == last else torch.bfloat16
+            x = ew.add_rms_norm_bf16_(h, down, next_norm, self.eps, out_dtype)
+        return x
 
     def _norm_heads_(self, qkv: torch.Tensor, layer: _Layer, tokens: int) -> None:
         """Qwen3's per-head RMS norms of the query and key heads, written back into `qkv`."""

@@ -1,5 +1,9 @@
 """Fused element-wise ops of the decoder layer (`csrc/fused_ops.cpp`), float32 CPU.
 
+The `*_bf16` methods take or give bfloat16 where a bf16 linear produced or will read the
+tensor (float32 arithmetic in between); each equals its float32 method combined with
+torch's casts, bit for bit.
+
 `fused_ops()` returns the loaded kernels, or None (once logged) when there is no C++
 compiler, the build fails, or `TANDEM_CPU_KERNELS=0`; `FusedDecoder` then runs the same
 math as torch ops. Each method checks what its C function assumes (float32, contiguous
@@ -20,13 +24,14 @@ from tandem.models.cpu_kernels import load_library
 
 logger = logging.getLogger("tandem.worker")
 
-FUSED_OPS_ABI = 1
+FUSED_OPS_ABI = 2
 
 
-def _check(name: str, tensor: torch.Tensor) -> None:
-    if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+    if tensor.dtype != dtype or tensor.device.type != "cpu":
         raise ValueError(
-            f"{name}: expected a float32 CPU tensor, got {tensor.dtype} on {tensor.device}"
+            f"{name}: expected a {str(dtype).removeprefix('torch.')} CPU tensor, got "
+            f"{tensor.dtype} on {tensor.device}"
         )
     if not tensor.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor")
@@ -102,6 +107,53 @@ class FusedOps:
         )
         return out
 
+    def rms_norm_bf16(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """`rms_norm(x, weight, eps).to(torch.bfloat16)` in one pass."""
+        _check("x", x)
+        _check("weight", weight)
+        rows, cols = x.shape
+        out = torch.empty((rows, cols), dtype=torch.bfloat16)
+        self.library.tandem_rms_norm_bf16(
+            x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, cols, eps,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def add_rms_norm_bf16_(
+        self,
+        h: torch.Tensor,
+        delta: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        out_dtype: torch.dtype = torch.bfloat16,
+    ) -> torch.Tensor:
+        """`add_rms_norm_(h, delta.float(), weight, eps)` for a bfloat16 `delta`, the norm
+        returned in `out_dtype` (bfloat16 or float32)."""
+        _check("h", h)
+        _check("delta", delta, torch.bfloat16)
+        _check("weight", weight)
+        if delta.shape != h.shape:
+            raise ValueError(f"delta: expected shape {tuple(h.shape)}, got {tuple(delta.shape)}")
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"out_dtype: expected bfloat16 or float32, got {out_dtype}")
+        rows, cols = h.shape
+        out = torch.empty((rows, cols), dtype=out_dtype)
+        self.library.tandem_add_rms_norm_bf16(
+            h.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            int(out_dtype == torch.bfloat16), rows, cols, eps, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def silu_mul_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`silu_mul(gate_up.float()).to(torch.bfloat16)` for a bfloat16 `gate_up`."""
+        _check("gate_up", gate_up, torch.bfloat16)
+        rows, width = gate_up.shape
+        out = gate_up.new_empty((rows, width // 2))
+        self.library.tandem_silu_mul_bf16(
+            gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()
+        )
+        return out
+
 
 def _declare(library: ctypes.CDLL) -> None:
     ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -110,6 +162,9 @@ def _declare(library: ctypes.CDLL) -> None:
         "tandem_add_rms_norm_f32": [ptr, ptr, ptr, ptr, i64, i64, f32, i32],
         "tandem_rope_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32],
         "tandem_silu_mul_f32": [ptr, ptr, i64, i64, i32],
+        "tandem_rms_norm_bf16": [ptr, ptr, ptr, i64, i64, f32, i32],
+        "tandem_add_rms_norm_bf16": [ptr, ptr, ptr, ptr, i32, i64, i64, f32, i32],
+        "tandem_silu_mul_bf16": [ptr, ptr, i64, i64, i32],
     }
     for name, argtypes in signatures.items():
         function = getattr(library, name)

@@ -20,7 +20,9 @@ packed for more) for benchmarks only.
 bfloat16 weights are packed too where the CPU has bf16 units (`cpu_features.has_bf16_units`)
 and oneDNN reorders them: the call then casts a float32 input to bfloat16 for the GEMM and
 returns float32 (`linear_choice.cpu_bf16_linear` picks this; without units bfloat16 weights
-are not packed here).
+are not packed here). `call_bf16` skips both casts (bfloat16 in and out) for a caller that
+keeps the GEMM's operands in bfloat16 (`FusedDecoder`'s bf16 path): the same GEMM, so the
+same bits as the float32 call's output before its widening.
 
 Results equal `F.linear` up to float summation order; outputs are row-major for the packed
 path and may be column-major for `split_linear` (see there).
@@ -100,4 +102,14 @@ class PackedLinear:
                 x.to(torch.bfloat16), self.packed, self.bias, "none", [], ""
             )
             return y.float()
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    @property
+    def takes_bf16(self) -> bool:
+        """Whether `call_bf16` serves: the weight is packed in bfloat16."""
+        return self.packed is not None and self.packed.dtype == torch.bfloat16
+
+    def call_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """The bfloat16 GEMM on a bfloat16 `x`, its bfloat16 output (only if `takes_bf16`)."""
+        assert self.packed is not None
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -11,7 +11,8 @@
 //         attend, the new token's included; its K/V are already written).
 // All tensors contiguous.
 //
-// `tandem_write_kv_f32` stores a step's keys and values into float32 pools of that layout:
+// `tandem_write_kv_f32` stores a step's keys and values into float32 pools of that layout
+// (`tandem_write_kv_bf16` into bfloat16 pools, rounding to nearest even like torch's cast):
 // token t goes to slot slots[t] (block slots[t] / block_size, offset slots[t] % block_size);
 // key/value rows are [kv_heads, head_dim] contiguous, rows `*_row_stride` floats apart (the
 // views of a fused qkv projection). One pass, no index tensors.
@@ -248,7 +249,7 @@ void run(const Problem<T>& p, int64_t num_requests, int num_threads) {
 
 }  // namespace
 
-extern "C" int tandem_paged_decode_abi_version() { return 4; }
+extern "C" int tandem_paged_decode_abi_version() { return 5; }
 
 extern "C" void tandem_paged_decode_f32(const float* q, const float* k_pool, const float* v_pool,
                                         const int64_t* block_tables, const int64_t* seq_lens,
@@ -272,18 +273,53 @@ extern "C" void tandem_paged_decode_bf16(const float* q, const uint16_t* k_pool,
   run(p, num_requests, num_threads);
 }
 
-extern "C" void tandem_write_kv_f32(float* k_pool, float* v_pool, const float* key,
-                                    const float* value, const int64_t* slots, int64_t num_tokens,
-                                    int64_t key_row_stride, int64_t value_row_stride,
-                                    int64_t kv_heads, int64_t head_dim, int64_t block_size) {
+namespace {
+
+inline float to_pool(float x, float*) { return x; }
+
+// Round to nearest even (NaN stays a quiet NaN), as torch's float32 -> bfloat16 cast does.
+inline uint16_t to_pool(float x, uint16_t*) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+template <typename T>
+void write_kv(T* k_pool, T* v_pool, const float* key, const float* value, const int64_t* slots,
+              int64_t num_tokens, int64_t key_row_stride, int64_t value_row_stride,
+              int64_t kv_heads, int64_t head_dim, int64_t block_size) {
   const int64_t width = kv_heads * head_dim;
   for (int64_t t = 0; t < num_tokens; ++t) {
     const int64_t slot = slots[t];
     const int64_t block = slot / block_size, offset = slot % block_size;
     const float* k_row = key + t * key_row_stride;
-    float* k_block = k_pool + block * width * block_size + offset;
-    for (int64_t i = 0; i < width; ++i) k_block[i * block_size] = k_row[i];
-    std::copy(value + t * value_row_stride, value + t * value_row_stride + width,
-              v_pool + slot * width);
+    T* k_block = k_pool + block * width * block_size + offset;
+    for (int64_t i = 0; i < width; ++i) k_block[i * block_size] = to_pool(k_row[i], k_pool);
+    const float* v_row = value + t * value_row_stride;
+    T* v_slot = v_pool + slot * width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) v_slot[i] = to_pool(v_row[i], v_pool);
   }
+}
+
+}  // namespace
+
+extern "C" void tandem_write_kv_f32(float* k_pool, float* v_pool, const float* key,
+                                    const float* value, const int64_t* slots, int64_t num_tokens,
+                                    int64_t key_row_stride, int64_t value_row_stride,
+                                    int64_t kv_heads, int64_t head_dim, int64_t block_size) {
+  write_kv(k_pool, v_pool, key, value, slots, num_tokens, key_row_stride, value_row_stride,
+           kv_heads, head_dim, block_size);
+}
+
+// The same into bfloat16 pools (raw uint16 bits), each value rounded to nearest even.
+extern "C" void tandem_write_kv_bf16(uint16_t* k_pool, uint16_t* v_pool, const float* key,
+                                     const float* value, const int64_t* slots,
+                                     int64_t num_tokens, int64_t key_row_stride,
+                                     int64_t value_row_stride, int64_t kv_heads, int64_t head_dim,
+                                     int64_t block_size) {
+  write_kv(k_pool, v_pool, key, value, slots, num_tokens, key_row_stride, value_row_stride,
+           kv_heads, head_dim, block_size);
 }

@@ -89,37 +89,45 @@ def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         paged_decode_kernel.cache_clear()
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("kv_heads", "head_dim", "block_size"), [(3, 64, 16), (2, 16, 8)])
-def test_write_kv_matches_indexed_stores(kv_heads: int, head_dim: int, block_size: int) -> None:
-    """The kernel's one-pass store equals torch's indexed stores into both layouts, keys and
-    values taken as strided views of one fused projection (as the decoder passes them)."""
+def test_write_kv_matches_indexed_stores(
+    kv_heads: int, head_dim: int, block_size: int, pool_dtype: torch.dtype
+) -> None:
+    """The kernel's one-pass store equals torch's indexed stores (and, into bfloat16 pools,
+    torch's rounding cast) into both layouts, keys and values taken as strided views of one
+    fused projection (as the decoder passes them)."""
     kernel = paged_decode_kernel()
     assert kernel is not None
     gen = torch.Generator().manual_seed(kv_heads * 7 + head_dim)
     num_blocks, width = 9, kv_heads * head_dim
     k_pool = torch.randn(num_blocks, kv_heads, head_dim, block_size, generator=gen)
     v_pool = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    k_pool, v_pool = k_pool.to(pool_dtype), v_pool.to(pool_dtype)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:23].contiguous()
-    fused = torch.randn(23, 3 * width, generator=gen)
+    fused = torch.randn(23, 3 * width, generator=gen) * 7  # most values need rounding
     key = fused[:, width : 2 * width].view(23, kv_heads, head_dim)
     value = fused[:, 2 * width :].view(23, kv_heads, head_dim)
     want_k, want_v = k_pool.clone(), v_pool.clone()
-    want_v.view(-1, kv_heads, head_dim).index_copy_(0, slots, value)
-    want_k[slots // block_size, :, :, slots % block_size] = key
+    want_v.view(-1, kv_heads, head_dim).index_copy_(0, slots, value.to(pool_dtype))
+    want_k[slots // block_size, :, :, slots % block_size] = key.to(pool_dtype)
     assert kernel.write_kv(k_pool, v_pool, key, value, slots)
     assert torch.equal(k_pool, want_k)
     assert torch.equal(v_pool, want_v)
 
 
 def test_write_kv_declines_what_it_cannot_store() -> None:
-    """bfloat16 pools and non-row-contiguous keys are left to torch (False, nothing written)."""
+    """Rows that are not float32, pools of mixed or other dtypes and non-row-contiguous keys
+    are left to torch (False, nothing written)."""
     kernel = paged_decode_kernel()
     assert kernel is not None
     k_pool = torch.zeros(2, 1, 4, 4, dtype=torch.bfloat16)
     v_pool = torch.zeros(2, 4, 1, 4, dtype=torch.bfloat16)
     key = torch.ones(3, 1, 4)
     slots = torch.tensor([0, 5, 6])
-    assert not kernel.write_kv(k_pool, v_pool, key, key, slots)
+    assert not kernel.write_kv(k_pool, v_pool, key.bfloat16(), key.bfloat16(), slots)
+    assert not kernel.write_kv(k_pool, v_pool.float(), key, key, slots)
+    assert not kernel.write_kv(k_pool.half(), v_pool.half(), key, key, slots)
     assert not k_pool.any()
     k32, v32 = k_pool.float(), v_pool.float()
     strided = torch.ones(3, 1, 8)[:, :, ::2]

@@ -63,6 +63,39 @@ def test_silu_mul_matches_torch(fused: FusedElementwise, rows: int, cols: int) -
     )
 
 
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows,cols", [*SHAPES, (2048, 576)])
+def test_bf16_operand_variants_equal_the_float32_kernels_and_torch_casts(
+    fused: FusedElementwise, rows: int, cols: int, threads: int
+) -> None:
+    """The bf16 path's ops (bfloat16 inputs from and outputs to bf16 GEMMs) give the bits
+    of the float32 kernel with torch's casts around it: what the decoder did before."""
+    assert OPS is not None
+    gen = torch.Generator().manual_seed(rows + cols)
+    x = 5 * torch.randn(rows, cols, generator=gen)
+    weight = torch.randn(cols, generator=gen)
+    delta = torch.randn(rows, cols, generator=gen).bfloat16()
+    gate_up = (4 * torch.randn(rows, 2 * cols, generator=gen)).bfloat16()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        want_norm = OPS.rms_norm(x, weight, 1e-6).bfloat16()
+        assert torch.equal(fused.rms_norm_bf16(x, weight, 1e-6), want_norm)
+        assert torch.equal(OPS.rms_norm_bf16(x, weight, 1e-6), want_norm)
+        h_want = x.clone()
+        want = OPS.add_rms_norm_(h_want, delta.float(), weight, 1e-6)
+        for out_dtype in (torch.bfloat16, torch.float32):
+            h = x.clone()
+            got = fused.add_rms_norm_bf16_(h, delta, weight, 1e-6, out_dtype)
+            assert torch.equal(h, h_want) and torch.equal(got, want.to(out_dtype))
+        want_act = OPS.silu_mul(gate_up.float()).bfloat16()
+        assert torch.equal(fused.silu_mul_bf16(gate_up), want_act)
+        assert torch.equal(OPS.silu_mul_bf16(gate_up), want_act)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _rotary(rope: dict | None = None) -> torch.nn.Module:
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -118,6 +151,14 @@ def test_bad_arguments_name_what_was_expected() -> None:
         OPS.silu_mul(torch.ones(8, 4).t())
     with pytest.raises(ValueError, match="delta: expected shape"):
         OPS.add_rms_norm_(torch.ones(2, 4), torch.ones(3, 4), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="delta: expected a bfloat16 CPU tensor"):
+        OPS.add_rms_norm_bf16_(torch.ones(2, 4), torch.ones(2, 4), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="out_dtype: expected bfloat16 or float32"):
+        OPS.add_rms_norm_bf16_(
+            torch.ones(2, 4), torch.ones(2, 4).bfloat16(), torch.ones(4), 1e-6, torch.float16
+        )
+    with pytest.raises(ValueError, match="gate_up: expected a bfloat16 CPU tensor"):
+        OPS.silu_mul_bf16(torch.ones(2, 8))
     cos = torch.ones(10, 4)
     with pytest.raises(ValueError, match="positions: beyond the 10 cached"):
         OPS.rope_(torch.ones(1, 12), torch.tensor([10]), cos, cos, 1, 1)

@@ -292,3 +292,39 @@ def test_emulated_warning_once_and_recommends_float32(
         assert "float32 is recommended" in messages[0]
     finally:
         cpu_features.warn_if_bf16_emulated.cache_clear()
+
+
+@pytest.mark.skipif(not cpu_features.has_bf16_units(), reason="oneDNN's bf16 GEMM needs bf16 units")
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_bf16_operands_give_the_bits_of_the_cast_per_linear_path(
+    tiny_models: dict[str, Path], arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every linear a oneDNN bf16 GEMM the decoder keeps the GEMMs' operands in
+    bfloat16 between them (`FusedDecoder._layers_bf16`): tokens and logprobs are those of
+    the path that casts each operand (`TANDEM_BF16_OPERANDS=0`), over staggered requests
+    (prefill chunks beside decodes) and with Qwen2's biases and Qwen3's q/k norms."""
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("TANDEM_BF16_OPERANDS", flag)
+        llm = LLM(
+            model=str(tiny_models[arch]),
+            dtype="bfloat16",
+            device="cpu",
+            max_model_len=128,
+            num_kv_blocks=64,
+            block_size=BLOCK,
+            max_num_batched_tokens=24,
+            worker_num_threads=2,
+        )
+        try:
+            fused = llm.engine.executor.worker.model.fused
+            assert fused.bf16_operands is (flag == "1")
+            params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3, ignore_eos=True)
+            outs = llm.generate(_prompts(5, 7, seed=11), params, use_tqdm=False)
+            runs[flag] = [
+                (o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs])
+                for o in outs
+            ]
+        finally:
+            llm.engine.shutdown()
+    assert runs["1"] == runs["0"]

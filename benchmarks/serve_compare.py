@@ -2,6 +2,7 @@
 
     python benchmarks/serve_compare.py [--repeats 3] [--request-rates 0.5,1,2,inf]
         [--num-requests 32] [--servers tandem-async,tandem-sync,vllm] [--no-offline]
+        [--dtype float32|bfloat16]
 
 Each repeat starts every server in turn on 127.0.0.1 (A B C A B C ...: one at a time, so no
 server shares the cores with another), waits for `/health`, runs the same `tandem bench serve`
@@ -13,7 +14,9 @@ tandem/vllm, the serving overhead serve/offline, the issue's targets as booleans
 <out>.png (TTFT and TPOT p50/p99 and request throughput against rate, one line per server).
 
 Configuration, the same for every server: the model (default: the embedded SmolLM2; vLLM gets
-the same converted HF directory from tandem's cache, as vllm_runner.py does), float32,
+the same converted HF directory from tandem's cache, as vllm_runner.py does), `--dtype`
+(float32: vLLM in float32 and tandem in its default, the GGUF's layers kept quantized with
+float32 activations; bfloat16: both with bfloat16 weights and KV cache),
 `max_model_len` = the workload's longest prompt + max_tokens rounded up to 256, tandem's
 `max_num_seqs` and `max_num_batched_tokens` defaults, prefix caching on (both defaults; the
 serve workload has no shared prefixes, so it costs both the same lookups and saves nothing).
@@ -132,6 +135,8 @@ def server_commands(args: argparse.Namespace, setup: dict[str, Any]) -> dict[str
     tandem += ["--host", "127.0.0.1", "--port", "{port}", "--max-model-len", length]
     if args.compute_threads:
         tandem += ["--worker-threads", str(args.compute_threads)]
+    if setup["dtype"] == "bfloat16":  # bf16 weights: nothing kept quantized
+        tandem += ["--dtype", "bfloat16", "--quantization", "none"]
     servers: dict[str, Any] = {
         "tandem-async": {"cmd": [*tandem, "--async-scheduling"], "env": {}},
         "tandem-sync": {"cmd": [*tandem, "--no-async-scheduling"], "env": {}},
@@ -144,7 +149,7 @@ def server_commands(args: argparse.Namespace, setup: dict[str, Any]) -> dict[str
         servers["vllm"] = {
             "cmd": [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
             + ["--model", setup["vllm_model_dir"], "--host", "127.0.0.1", "--port", "{port}"]
-            + ["--dtype", "float32", "--max-model-len", length, "--max-num-seqs", seqs]
+            + ["--dtype", setup["dtype"], "--max-model-len", length, "--max-num-seqs", seqs]
             + ["--max-num-batched-tokens", str(setup["max_num_batched_tokens"])]
             + ["--enable-prefix-caching"],
             "env": setup["vllm_env"],
@@ -240,14 +245,16 @@ def offline_once(name: str, workload_file: str, args: argparse.Namespace, setup:
     """The offline throughput of one engine on the same requests (one JSON line)."""
     threads = str(setup["compute_threads"])
     common = ["--workload", workload_file, "--model", args.model, "--threads", threads]
+    bf16 = setup["dtype"] == "bfloat16"
     env = {**os.environ, **QUIET_ENV, "OMP_NUM_THREADS": threads}
     if name == "vllm":
-        cmd = [str(VLLM_PYTHON), str(VLLM_RUNNER), *common]
+        cmd = [str(VLLM_PYTHON), str(VLLM_RUNNER), *common, "--dtype", setup["dtype"]]
         env.update(setup["vllm_env"])
     else:
         cmd = [sys.executable, "-m", "tandem.bench", "--run-peer", "tandem", *common]
         cmd += [f"--set=max_model_len={setup['max_model_len']}"]
         cmd += [f"--set=async_scheduling={'true' if name == 'tandem-async' else 'false'}"]
+        cmd += ['--set=dtype="bfloat16"', '--set=quantization="none"'] if bf16 else []
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     except subprocess.TimeoutExpired:
@@ -275,6 +282,7 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": defaults.max_num_seqs,
         "max_num_batched_tokens": defaults.max_num_batched_tokens,
         "enable_prefix_caching": True,
+        "dtype": args.dtype,
         "compute_threads": k,
         "cpus": cpus,
     }
@@ -305,6 +313,14 @@ def _parser() -> argparse.ArgumentParser:
         "--compute-threads", type=int, help="worker threads (default: tandem serve's budget)"
     )
     p.add_argument("--vllm-bind", help="VLLM_CPU_OMP_THREADS_BIND (default: the worker CPUs)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="float32: vLLM in float32, tandem in its default (a GGUF kept quantized, float32 "
+        "activations); bfloat16: both with bfloat16 weights and KV (tandem --quantization "
+        "none), the faster setting at large batches on a CPU with bf16 units",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)

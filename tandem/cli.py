@@ -213,6 +213,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "num_kv_blocks",
         "tensor_parallel_size",
         "pipeline_parallel_size",
+        "dtype",
+        "quantization",
     )
     out = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if getattr(args, "async_scheduling", None) is not None:
@@ -237,12 +239,31 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+#: `model.dtype` and `model.quantization`'s values, spelled here so the parser stays free of
+#: the schema's import (a test holds them equal to `tandem.schema.config.ModelConfig`'s).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "awq", "gptq")
+
+
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, help="most requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
     p.add_argument("--max-model-len", type=int, help="longest sequence (prompt + output)")
     p.add_argument("--block-size", type=int, help="tokens per KV block")
     p.add_argument("--num-kv-blocks", type=int, help="explicit KV pool size in blocks")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA; bfloat16 on "
+        "a CPU with bf16 units is the fastest at large batches, docs/cpu-performance.md)",
+    )
+    p.add_argument(
+        "--quantization",
+        "-q",
+        choices=QUANTIZATIONS,
+        help="auto: a GGUF's Q4/Q8 weights stay quantized; none: every weight in --dtype; "
+        "int8 / int4: quantized at load (docs/quantization.md)",
+    )
     p.add_argument(
         "--tensor-parallel-size",
         "-tp",

@@ -151,3 +151,20 @@ def test_bench_writes_into_the_current_directory(
 def test_builtin_workloads_equal_the_checkout_files(name: str) -> None:
     checkout = json.loads((ROOT / "benchmarks" / "workloads" / f"{name}.json").read_text())
     assert bench.load_workload(name) == checkout
+
+
+def test_dtype_and_quantization_flags_are_the_schemas_values() -> None:
+    """`--dtype` / `--quantization` offer exactly `model.dtype` / `model.quantization`'s
+    values and reach the engine's keywords; a wrong value is refused naming the flag."""
+    from typing import get_args
+
+    from tandem.cli import DTYPES, QUANTIZATIONS, _overrides, build_parser
+    from tandem.schema.config import ModelConfig
+
+    assert get_args(ModelConfig.model_fields["dtype"].annotation) == DTYPES
+    assert get_args(ModelConfig.model_fields["quantization"].annotation) == QUANTIZATIONS
+    args = build_parser().parse_args(["serve", "--dtype", "bfloat16", "-q", "none"])
+    assert _overrides(args).items() >= {"dtype": "bfloat16", "quantization": "none"}.items()
+    assert "dtype" not in _overrides(build_parser().parse_args(["serve"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--dtype", "fp8"])

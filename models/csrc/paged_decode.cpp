@@ -95,6 +95,13 @@ void prefetch_block(const T* p, int64_t elements) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
+template <typename T>
+void prefetch_block_l2(const T* p, int64_t elements) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t bytes = elements * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
+}
+
 // Normalised softmax of s[0..len) in place (the loops vectorise, exp included).
 void softmax(float* s, int64_t len) {
   float peak = s[0];
@@ -131,6 +138,15 @@ void decode_item_fast(const Problem<T>& p, int64_t r, int64_t h, float* scores, 
   auto key_block = [&](int64_t b) { return p.k_pool + (table[b] * p.kv_heads + h) * D * kBlock; };
   for (int64_t b = 0; b < std::min<int64_t>(kPrefetchBlocks, num_blocks); ++b)
     prefetch_block(key_block(b), D * kBlock);
+  // The whole item's keys and values requested into L2 up front: the pages are scattered
+  // and cold (a step's pools outgrow the caches), and many misses in flight at once is what
+  // makes the item fast; the near prefetches below then find them in L2.
+  for (int64_t b = kPrefetchBlocks; b < num_blocks; ++b) prefetch_block_l2(key_block(b), D * kBlock);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const T* vb = p.v_pool + table[b] * kBlock * v_row + h * D;
+    const int64_t rows = std::min<int64_t>(kBlock, len - b * kBlock);
+    for (int64_t t = 0; t < rows; ++t) prefetch_block_l2(vb + t * v_row, D);
+  }
   for (int64_t b = 0; b < num_blocks; ++b) {
     // The pages are scattered, so the hardware prefetcher cannot run ahead of them.
     if (b + kPrefetchBlocks < num_blocks) prefetch_block(key_block(b + kPrefetchBlocks), D * kBlock);

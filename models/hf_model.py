@@ -33,7 +33,7 @@ from tandem.models.model_dtype import (  # noqa: F401 - re-exported
     resolve_dtype,
 )
 from tandem.models.packed_linear import PackedLinear
-from tandem.models.paged_attention import ATTENTION_NAME, build_metadata
+from tandem.models.paged_attention import build_metadata, hf_attention_name
 from tandem.models.quant_linear import LinearQuantization, QuantEmbedding, QuantLinear
 from tandem.models.tensor_parallel import check_divisible, kv_heads_per_rank, vocab_shard
 from tandem.models.weight_release import (
@@ -147,18 +147,25 @@ def _take_lm_head_shard(
 
 
 def _skeleton(model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """The HF model built from its config without weights: every parameter a meta tensor
-    (tied as transformers ties them), the buffers (the rotary module's) real, on `device`."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
+    """The model built from its config without weights: every parameter a meta tensor
+    (tied as transformers ties them), the buffers (the rotary module's) real, on `device`.
+    The Llama family gets `light_skeleton.SkeletonCausalLM` (no transformers model classes
+    imported: about 98 MB less resident memory), any other model type transformers' class."""
+    from tandem.models.light_skeleton import SKELETON_MODEL_TYPES, SkeletonCausalLM
     from tandem.models.model_files import load_hf_config
 
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(
-            load_hf_config(model_dir), dtype=dtype, attn_implementation=ATTENTION_NAME
-        )
-    model.tie_weights()
+    config = load_hf_config(model_dir)
+    if config.model_type in SKELETON_MODEL_TYPES:
+        model: torch.nn.Module = SkeletonCausalLM(config, dtype)
+    else:
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=hf_attention_name()
+            )
+        model.tie_weights()
     for module in model.modules():
         for name, buf in list(module.named_buffers(recurse=False)):
             setattr(module, name, buf.to(device))
@@ -288,7 +295,7 @@ def _load_causal_lm(
             len(missing),
         )
     loaded = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=dtype, attn_implementation=ATTENTION_NAME
+        str(model_dir), dtype=dtype, attn_implementation=hf_attention_name()
     )
     return loaded.to(device).eval(), None
 

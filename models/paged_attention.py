@@ -43,11 +43,11 @@ a compiled kernel.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
 from tandem.models.cpu_kernels import PagedDecodeKernel
 
@@ -397,4 +397,13 @@ def paged_attention(
     return out[None], None
 
 
-AttentionInterface.register(ATTENTION_NAME, paged_attention)
+@functools.cache
+def hf_attention_name() -> str:
+    """`ATTENTION_NAME`, registered with transformers' attention functions (once): the
+    `attn_implementation` of transformers models whose own layers run (`fused=False`, the
+    whole-model load). Registered on demand, as importing `transformers.AttentionInterface`
+    imports its model classes (`light_skeleton` says what that costs)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)
+    return ATTENTION_NAME

@@ -34,22 +34,11 @@ def _variants() -> list[tuple[str, Any]]:
     qwen3 = tiny_config("qwen3")
     qwen3.attention_bias = True
     out.append(("qwen3-biased", qwen3))
-    small = tiny_config("llama")
-    out.append(
-        (
-            "mistral",
-            MistralConfig(
-                vocab_size=small.vocab_size,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                tie_word_embeddings=False,
-            ),
-        )
-    )
+    shape = tiny_config("llama")  # the same tiny shape, as a Mistral
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    fields += ("num_attention_heads", "num_key_value_heads", "head_dim")
+    mistral = MistralConfig(**{f: getattr(shape, f) for f in fields}, tie_word_embeddings=False)
+    out.append(("mistral", mistral))
     return out
 
 

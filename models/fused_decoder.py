@@ -7,7 +7,10 @@ projections fused into one matmul and gate and up into another, and no per-modul
 packed once: into 16-column panels for the compiled GEMM (`F32PanelLinear`), or for
 oneDNN (`PackedLinear`) where that kernel does not build (`linear_choice`). The
 element-wise steps between the linears (residual add + RMS norm, RoPE in place, SiLU *
-up) are one compiled kernel each on CPU (`decoder_elementwise`).
+up) are one compiled kernel each on CPU (`decoder_elementwise`). Where every linear is oneDNN's
+bfloat16 GEMM (bfloat16 weights on a CPU with bf16 units), those kernels also write the
+GEMMs' bfloat16 inputs and read their bfloat16 outputs (`_layers_bf16`), with the bits of
+casting each operand on its own.
 
 The decoder takes the layers' weights: once a layer is built, every parameter of the HF
 layer (projections, their biases, the norms) is released (a meta tensor, see

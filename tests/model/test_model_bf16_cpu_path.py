@@ -214,16 +214,14 @@ def test_hf_modules_bf16_with_the_decode_kernel(calm_models: dict[str, Path]) ->
     assert checking.calls > 0 and checking.worst < 1e-2  # compared after bf16 rounding
 
 
+def _tiny_bf16_engine(model_dir: Path, **settings: object) -> LLM:
+    """A tiny model's engine in bfloat16 on the CPU (`settings` add to or override these)."""
+    defaults: dict[str, object] = {"max_model_len": 128, "block_size": BLOCK}
+    return LLM(model=str(model_dir), dtype="bfloat16", device="cpu", **(defaults | settings))
+
+
 def test_bf16_engine_end_to_end(tiny_models: dict[str, Path]) -> None:
-    llm = LLM(
-        model=str(tiny_models["llama"]),
-        dtype="bfloat16",
-        device="cpu",
-        max_model_len=128,
-        num_kv_blocks=48,
-        block_size=BLOCK,
-        worker_num_threads=1,
-    )
+    llm = _tiny_bf16_engine(tiny_models["llama"], num_kv_blocks=48, worker_num_threads=1)
     try:
         model = llm.engine.executor.worker.model
         assert model.decode_kernel is not None, "the decode kernel reads bf16 pools"
@@ -306,15 +304,8 @@ def test_bf16_operands_give_the_bits_of_the_cast_per_linear_path(
     runs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("TANDEM_BF16_OPERANDS", flag)
-        llm = LLM(
-            model=str(tiny_models[arch]),
-            dtype="bfloat16",
-            device="cpu",
-            max_model_len=128,
-            num_kv_blocks=64,
-            block_size=BLOCK,
-            max_num_batched_tokens=24,
-            worker_num_threads=2,
+        llm = _tiny_bf16_engine(
+            tiny_models[arch], num_kv_blocks=64, max_num_batched_tokens=24, worker_num_threads=2
         )
         try:
             fused = llm.engine.executor.worker.model.fused

@@ -198,7 +198,9 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
 
 
 def load_hf_config(model_dir: Path):  # noqa: ANN201 - transformers PretrainedConfig
-    """The model's transformers config. A broken `config.json` raises `ConfigError` (a
+    """The model's transformers config, read by `light_config` where it `reads_light`
+    (the same values as `AutoConfig`'s without importing transformers' model config
+    classes), else by `AutoConfig`. A broken `config.json` raises `ConfigError` (a
     ValueError) in one line naming the file and the problem, never a traceback from
     transformers."""
     path = model_dir / "config.json"
@@ -209,10 +211,15 @@ def load_hf_config(model_dir: Path):  # noqa: ANN201 - transformers PretrainedCo
         raise ConfigError(
             f"model.model: {path}: {found}; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
         )
-    from transformers import AutoConfig
+    from tandem.models.light_config import light_config, reads_light
 
     try:
-        config = AutoConfig.from_pretrained(str(model_dir))
+        if reads_light(data):
+            config = light_config(model_dir, model_type)
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(str(model_dir))
     except Exception as exc:  # transformers' config classes raise many kinds, multi-line
         reason = " ".join(str(exc).split())
         raise ConfigError(f"model.model: {path}: {type(exc).__name__}: {reason}") from exc
@@ -230,13 +237,31 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def load_tokenizer(model_dir: Path):  # noqa: ANN201 - transformers tokenizer or None
     """The model's tokenizer, or None for a directory without tokenizer files (then only
-    token-id prompts work)."""
+    token-id prompts work). Where `tokenizer_config.json` names its tokenizer class, the
+    model's config is handed to `AutoTokenizer` from `load_hf_config` (which would
+    otherwise build it with `AutoConfig` and its imports); else `AutoTokenizer` maps the
+    config's class to a tokenizer class itself."""
     if not any((model_dir / name).exists() for name in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
     with quiet_loading():
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        return AutoTokenizer.from_pretrained(str(model_dir), **_tokenizer_config_kwargs(model_dir))
+
+
+def _tokenizer_config_kwargs(model_dir: Path) -> dict[str, Any]:
+    """`{"config": ...}` when `model_dir` has a `config.json` that `light_config` reads
+    and a `tokenizer_config.json` naming `tokenizer_class`; else `{}`."""
+    from tandem.models.light_config import reads_light
+
+    try:
+        named = json.loads((model_dir / "tokenizer_config.json").read_text())["tokenizer_class"]
+        data = read_config_json(model_dir)
+    except (OSError, ValueError, KeyError, TypeError):  # ConfigError is a ValueError
+        return {}
+    if not isinstance(named, str) or not reads_light(data):
+        return {}
+    return {"config": load_hf_config(model_dir)}
 
 
 # Hugging Face hub ids -------------------------------------------------------------------

@@ -7,6 +7,9 @@ with `struct` over a read-only mapping of the file: array values are skipped (th
 are stepped over by length), scalar and string values are kept in `fields`, and each
 tensor's data is a numpy view into the mapping, shaped as gguf's reader shapes it (the GGUF
 dimensions reversed; for quantized types the last one in bytes, `quant_shape_to_byte_shape`).
+Pages of the mapping that were read count in the process's resident memory until the map
+is closed; a reader that has copied a tensor out calls `release(tensor)` to drop them at
+once (they stay in the page cache, and a later read faults them back in).
 
 Little-endian GGUF versions 2 and 3 are read (what gguf's reader reads, less the
 byte-swapped files); anything else raises `ValueError` naming what was found.
@@ -62,6 +65,8 @@ class GGUFTensor:
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray
+    #: Where `data` starts in the file (bytes).
+    offset: int = 0
 
 
 class GGUFIndex:
@@ -148,7 +153,20 @@ class GGUFIndex:
         else:
             count = elements
         data = np.frombuffer(self._map, dtype=dtype, count=count, offset=start + at)
-        return GGUFTensor(name, kind, dims, data.reshape(shape))
+        return GGUFTensor(name, kind, dims, data.reshape(shape), start + at)
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop `tensor`'s pages (rounded out to whole pages) from this process's resident
+        memory: `madvise(MADV_DONTNEED)` on the read-only file mapping. Its data stays
+        readable: the next access reads the pages back from the page cache or the file.
+        Nothing happens where the platform has no `madvise`."""
+        advise = getattr(self._map, "madvise", None)
+        if advise is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        first = tensor.offset - tensor.offset % mmap.PAGESIZE
+        end = min(tensor.offset + tensor.data.nbytes, len(self._map))
+        if end > first:
+            advise(mmap.MADV_DONTNEED, first, end - first)
 
     def architecture(self) -> str:
         """`general.architecture`, or "" when the file does not name one."""

@@ -88,6 +88,7 @@ class GGUFShards:
 
         self.path, self.floats, self.hf_config = path, floats, hf_config
         index = GGUFIndex(path)
+        self._index: GGUFIndex | None = index
         self.arch = index.architecture()
         arch_id = {v: k for k, v in MODEL_ARCH_NAMES.items()}.get(self.arch)
         by_name = {t.name: t for t in index.tensors}
@@ -136,7 +137,10 @@ class GGUFShards:
             n = rows // parts
             data = data[order[part * n : (part + 1) * n].numpy()]
         self.quantized_bytes_read += int(data.nbytes)
-        return from_gguf_blocks(tensor.tensor_type.name, data, (int(data.shape[0]), columns))
+        weight = from_gguf_blocks(tensor.tensor_type.name, data, (int(data.shape[0]), columns))
+        if self._index is not None:  # copied out: the file's pages need not stay resident
+            self._index.release(tensor)
+        return weight
 
     def _permuted_heads(self, name: str) -> int | None:
         if self.arch not in _PERMUTED_QK:
@@ -181,4 +185,5 @@ class GGUFShards:
         """Let go of the GGUF's mapping (every weight read was copied out) and of the float
         reader; bytes read in all: the quantized blocks plus the float tensors."""
         self._tensors.clear()
+        self._index = None
         return self.quantized_bytes_read + self.floats.close()

@@ -84,3 +84,32 @@ def test_truncated_file_raises(tmp_path: Path) -> None:
     path.write_bytes(whole[: len(whole) // 2])
     with pytest.raises(ValueError):
         GGUFIndex(path)
+
+
+def _mapped_rss_kb(path: Path) -> int:
+    """Resident kB of this process's mappings of `path` (`/proc/self/smaps`)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's header line
+            inside = len(head) >= 6 and head[-1] == str(path)
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps")
+def test_release_drops_the_read_pages_and_keeps_the_data_readable() -> None:
+    """The embedded GGUF: after reading every tensor its mapping is resident (about the
+    file's size); `release` on each drops those pages and the data reads the same after."""
+    from tandem.models.model_files import embedded_gguf_path
+
+    path = embedded_gguf_path().resolve()
+    index = GGUFIndex(path)
+    sums = [int(t.data.view(np.uint8).sum(dtype=np.uint64)) for t in index.tensors]
+    read = _mapped_rss_kb(path)
+    assert read > path.stat().st_size // 1024 // 2
+    for tensor in index.tensors:
+        index.release(tensor)
+    assert _mapped_rss_kb(path) < read // 10
+    assert [int(t.data.view(np.uint8).sum(dtype=np.uint64)) for t in index.tensors] == sums

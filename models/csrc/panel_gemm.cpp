@@ -448,12 +448,19 @@ void gemm(const float* x, int64_t ldx, const void* packed, const float* bias, fl
 // kernel uses is bit for bit the float reference's dequantized weight; only the summation
 // order of the products differs.
 //
-// Up to kQDirectRows rows (decode) a tile dequantizes each k row of 16 weights in registers
-// for its rows' FMAs (two accumulator sets, even and odd k). Above, each item dequantizes a
+// Up to kQDirectRows rows (decode; kQDirectRows512 on the AVX-512 tile, whose 32 registers
+// hold 8 rows' partial sums) a tile dequantizes each k row of 16 weights in registers for
+// its rows' FMAs (two accumulator sets, even and odd k). Above, each item dequantizes a
 // panel once into a float32 panel (thread-local) and runs the float32 tiles over its rows:
-// the dequantization is amortised over the rows.
+// the dequantization is amortised over the rows. (Measured on Zen 4, one thread, SmolLM2's
+// Q4_1 layers: 8 rows took 44 ms a decode step through the float32 panel against about
+// twice 4 rows' 17.7 ms directly.)
 
 constexpr int64_t kQDirectRows = 4;
+constexpr int64_t kQDirectRows512 = 8;
+// Up to this many rows an item runs the AVX-512 direct tile in blocks of kQDirectRows512
+// rows per panel (the panel's codes stay in L1 between blocks).
+constexpr int64_t kQDirectBlockedRows = 32;
 
 // fp16 bit patterns -> float32 (exact), `count` a multiple of 16 or not.
 void half_to_float(const uint16_t* in, float* out, int64_t count) {
@@ -678,7 +685,7 @@ void q_tile_direct_512(const QGemm& g, int64_t m0, int64_t p) {
   const __m512i byte = _mm512_set1_epi32(0xff);
   __m512 acc[MR];
   const float* xr[MR];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
     acc[i] = g.bias != nullptr ? _mm512_maskz_loadu_ps(keep, g.bias + n0) : _mm512_setzero_ps();
     xr[i] = g.x + (m0 + i) * g.ldx;
@@ -697,7 +704,7 @@ void q_tile_direct_512(const QGemm& g, int64_t m0, int64_t p) {
     const int64_t k0 = gi * g.group;
     const int64_t k1 = std::min(g.k, k0 + g.group);
     __m512 part[2][MR];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) part[0][i] = part[1][i] = _mm512_setzero_ps();
     for (int64_t kk = k0; kk < k1; kk += kPer) {
       const __m512i w = _mm512_loadu_si512(codes + (kk / kPer) * kPanel);
@@ -710,7 +717,7 @@ void q_tile_direct_512(const QGemm& g, int64_t m0, int64_t p) {
         } else {
           q = _mm512_cvtepi32_ps(j == kPer - 1 ? shifted : _mm512_and_si512(shifted, byte));
         }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int i = 0; i < MR; ++i)
           part[j & 1][i] = _mm512_fmadd_ps(_mm512_set1_ps(xr[i][kk + j]), q, part[j & 1][i]);
       }
@@ -718,14 +725,14 @@ void q_tile_direct_512(const QGemm& g, int64_t m0, int64_t p) {
     const __m512 s = load16(g.scales, gi);
     __m512 mn = _mm512_setzero_ps();
     if constexpr (HasMin) mn = load16(g.mins, gi);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       acc[i] = _mm512_fmadd_ps(s, _mm512_add_ps(part[0][i], part[1][i]), acc[i]);
       if constexpr (HasMin)
         acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(g.xsums[(m0 + i) * groups + gi]), acc[i]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(g.y + (m0 + i) * g.ldy + n0, keep, acc[i]);
 }
 
@@ -735,7 +742,11 @@ void q_direct_rows_512(const QGemm& g, int64_t m0, int64_t rows, int64_t p) {
     case 1: return q_tile_direct_512<1, Bits, HasMin>(g, m0, p);
     case 2: return q_tile_direct_512<2, Bits, HasMin>(g, m0, p);
     case 3: return q_tile_direct_512<3, Bits, HasMin>(g, m0, p);
-    default: return q_tile_direct_512<4, Bits, HasMin>(g, m0, p);
+    case 4: return q_tile_direct_512<4, Bits, HasMin>(g, m0, p);
+    case 5: return q_tile_direct_512<5, Bits, HasMin>(g, m0, p);
+    case 6: return q_tile_direct_512<6, Bits, HasMin>(g, m0, p);
+    case 7: return q_tile_direct_512<7, Bits, HasMin>(g, m0, p);
+    default: return q_tile_direct_512<8, Bits, HasMin>(g, m0, p);
   }
 }
 
@@ -761,22 +772,26 @@ void q_dequant_panel(const QGemm& g, int64_t p, float* out, bool portable) {
 void q_run_item(const QGemm& g, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
                 bool portable) {
 #if TANDEM_PANEL_AVX2
-  if (!portable && r1 - r0 <= kQDirectRows) {
-    const bool has_min = g.mins != nullptr;
+  const bool has_min = g.mins != nullptr;
 #if TANDEM_PANEL_AVX512
-    if (q_direct_512(g) && (!has_min || g.xsums != nullptr)) {
-      for (int64_t p = p0; p < p1; ++p) {
+  if (!portable && r1 - r0 <= kQDirectBlockedRows && q_direct_512(g) &&
+      (!has_min || g.xsums != nullptr)) {
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t m = r0; m < r1; m += kQDirectRows512) {
+        const int64_t rows = std::min(kQDirectRows512, r1 - m);
         if (g.bits == 4) {
-          has_min ? q_direct_rows_512<4, true>(g, r0, r1 - r0, p)
-                  : q_direct_rows_512<4, false>(g, r0, r1 - r0, p);
+          has_min ? q_direct_rows_512<4, true>(g, m, rows, p)
+                  : q_direct_rows_512<4, false>(g, m, rows, p);
         } else {
-          has_min ? q_direct_rows_512<8, true>(g, r0, r1 - r0, p)
-                  : q_direct_rows_512<8, false>(g, r0, r1 - r0, p);
+          has_min ? q_direct_rows_512<8, true>(g, m, rows, p)
+                  : q_direct_rows_512<8, false>(g, m, rows, p);
         }
       }
-      return;
     }
+    return;
+  }
 #endif
+  if (!portable && r1 - r0 <= kQDirectRows) {
     for (int64_t p = p0; p < p1; ++p) {
       if (g.bits == 4) {
         has_min ? q_direct_rows<4, true>(g, r0, r1 - r0, p)
@@ -802,16 +817,15 @@ void q_run_item(const QGemm& g, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
 }
 
 // Panels split between threads in dynamically scheduled chunks (as `run`); rows too when
-// panels are fewer than threads, in row parts of at least kQDirectRows + 1 rows where the
-// rows are more than kQDirectRows (so each part takes the amortised path).
+// panels are fewer than threads, in row parts of whole kTileRows tiles.
 void q_run(QGemm g, int threads, bool portable) {
   const int64_t panels = (g.n + kPanel - 1) / kPanel;
   if (g.m <= 0 || panels <= 0) return;
 #if TANDEM_PANEL_AVX512
-  // The rows the AVX-512 direct tile takes (m <= kQDirectRows: one row part) need x's
-  // per-group sums for the mins.
+  // The rows the AVX-512 direct tile takes (m <= kQDirectBlockedRows) need x's per-group
+  // sums for the mins.
   thread_local std::vector<float> xsums;
-  if (!portable && g.m <= kQDirectRows && g.mins != nullptr && q_direct_512(g)) {
+  if (!portable && g.m <= kQDirectBlockedRows && g.mins != nullptr && q_direct_512(g)) {
     const int64_t groups = g.groups();
     xsums.assign(static_cast<size_t>(g.m * groups), 0.0f);
     for (int64_t i = 0; i < g.m; ++i)

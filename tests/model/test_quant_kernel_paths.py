@@ -1,6 +1,6 @@
 """The quantized GEMM's code paths agree: the register (decode) tiles, including the
-AVX-512 tile that sums codes against x per group and scales once per group, the panel path,
-and the portable loops; scales and mins held as fp16 (when every value is one) or float32.
+AVX-512 tile that sums codes against x per group and scales once per group (up to 8 rows,
+and in blocks of 8 up to 32 rows), the panel path (above), and the portable loops; scales and mins held as fp16 (when every value is one) or float32.
 
 Each case is checked against a float64 product with the dequantized weight, and identity
 rows read each weight back exactly as `dequantize()` gives it."""
@@ -50,7 +50,7 @@ def test_every_path_matches_the_dequantized_product(kind: str, scales: str, n: i
     layer = QuantLinear(weight, bias)
     assert layer.half_scales == (scales == "fp16")
     dense = weight.dequantize().double()
-    for rows in (1, 2, 3, 4, 5, 9):
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17, 32, 33):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         reference = x.double() @ dense.T + bias.double()
         for portable in (False, True):
@@ -67,7 +67,8 @@ def test_identity_rows_read_back_each_dequantized_weight_exactly(kind: str, scal
         weight = _float32_scales(weight)
     layer = QuantLinear(weight)
     dense = weight.dequantize()
-    for start, rows in ((0, 1), (5, 4), (40, 9)):  # register tiles and the panel path
+    # register tiles (one, blocks of 8 and a remainder) and the panel path (past 32 rows)
+    for start, rows in ((0, 1), (5, 4), (0, 8), (40, 9), (3, 29), (50, 33)):
         eye = torch.eye(96)[start : start + rows]
         assert torch.equal(layer.run(eye), dense[:, start : start + rows].T)
 

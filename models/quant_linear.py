@@ -3,8 +3,9 @@
 `QuantLinear(weight: QuantizedWeight, bias)` computes `y = x @ W.T + bias` for float32
 `x [rows, in]`, W dequantized on the fly (float32 products and accumulation) by the panel
 GEMM kernel's quantized path (`csrc/panel_gemm.cpp`, "Quantized weights"): up to 4 rows
-each 16-weight k row is widened in registers; above, each panel is dequantized once into a
-float32 panel and the float32 register tiles run over all rows.
+(AVX2) or 32 rows (AVX-512, tiles of 8) each 16-weight k row is widened in registers;
+above, each panel is dequantized once into a float32 panel and the float32 register tiles
+run over all rows.
 
 Contract: every weight the kernel multiplies is bit for bit `weight.dequantize()` (see
 `quantized_weight`), so `layer(x)` equals `x @ dense_weight().T + bias` up to float32

@@ -452,9 +452,9 @@ void gemm(const float* x, int64_t ldx, const void* packed, const float* bias, fl
 // hold 8 rows' partial sums) a tile dequantizes each k row of 16 weights in registers for
 // its rows' FMAs (two accumulator sets, even and odd k). Above, each item dequantizes a
 // panel once into a float32 panel (thread-local) and runs the float32 tiles over its rows:
-// the dequantization is amortised over the rows. (Measured on Zen 4, one thread, SmolLM2's
-// Q4_1 layers: 8 rows took 44 ms a decode step through the float32 panel against about
-// twice 4 rows' 17.7 ms directly.)
+// the dequantization is amortised over the rows. (Zen 4, SmolLM2's Q4_1 layers, 2 threads:
+// a decode step of 8 rows took 33 ms through the float32 panel, 21-24 ms in one 8-row
+// tile; `benchmarks/batch_decode.py`.)
 
 constexpr int64_t kQDirectRows = 4;
 constexpr int64_t kQDirectRows512 = 8;

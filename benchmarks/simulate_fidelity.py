@@ -2,7 +2,7 @@
 
     python benchmarks/simulate_fidelity.py [--fit FIT.json | --calibrate-seconds 180]
         [--threads 1] [--requests 48] [--prompt 16,128] [--output 16,64] [--seed 0]
-        [--rates auto | R1,R2,R3] [--modes sync,async]
+        [--rates auto | R1,R2,R3] [--modes sync,async] [--repeats 3]
 
 The embedded SmolLM2 (`model: default`, its default stack), the same trace on both sides:
 Poisson arrivals, prompt and output lengths uniform in the given ranges (one seed: the
@@ -15,8 +15,10 @@ synchronous and asynchronous scheduling.
   `--fit`), written to benchmarks/results/simulate_fidelity_fit.json.
 - Measured: `fidelity_replay.replay` (open loop through `AsyncLLM`, the engine core in its
   own process as `tandem serve` runs it; its docstring says why), one engine per mode, a
-  warm-up first, then each rate in turn, with a speed probe (`fidelity_probe`) before and
-  after each run.
+  warm-up first, then `--repeats` rounds over the rates (interleaved), with a speed probe
+  (`fidelity_probe`) before and after each run. The measured figure is the median over
+  the repeats, with its spread (min, max) beside it: near saturation queueing amplifies
+  the machine's drift, so one run is not a figure to hold a prediction to.
 - Predicted: `tandem.simulate.driver.simulate` on the same stack (the scripted model in the
   real model's place: same vocabulary, max_model_len, KV pool and limits) plus the
   `calibrated-cost` plugin with the fit, and the fit's `EngineTime`; the same traffic list.
@@ -122,10 +124,10 @@ def traffic_spec(args: argparse.Namespace, rate: float) -> str:
     )
 
 
-def prompt_seed(args: argparse.Namespace, rate: float, rates: list[float]) -> int:
-    """The seed of a run's prompt ids: one per rate, so no run finds the previous run's
-    prompts in the engine's prefix cache (the simulation starts each run empty)."""
-    return args.seed + 1000 * (1 + rates.index(rate))
+def prompt_seed(args: argparse.Namespace, rate: float, rates: list[float], repeat: int = 0) -> int:
+    """The seed of a run's prompt ids: one per rate and repeat, so no run finds an earlier
+    run's prompts in the engine's prefix cache (the simulation starts each run empty)."""
+    return args.seed + 1000 * (1 + rates.index(rate)) + 100_000 * repeat
 
 
 def traffic_at(args: argparse.Namespace, rate: float, max_model_len: int) -> list[TrafficRequest]:
@@ -171,36 +173,60 @@ def measure(
     args: argparse.Namespace,
     traffics: dict[float, list[TrafficRequest]],
     probe: SpeedProbe,
-    fit: CalibrationFit,
-) -> dict[float, dict[str, Any]]:
-    """Replay each rate's traffic into one `AsyncLLM` of the mode (warmed up first), with
-    a speed probe before and after each run (`factors`: [before, after])."""
+) -> dict[float, list[dict[str, Any]]]:
+    """Replay each rate's traffic `args.repeats` times into one `AsyncLLM` of the mode
+    (warmed up first), the rates interleaved (r1, r2, r3, r1, ...) so a drift of the
+    machine's speed spreads over every rate; a speed probe before and after each run
+    (`probe_factors`: [before, after]). Each repeat draws fresh prompt ids
+    (`prompt_seed`), so no run finds an earlier run's prompts in the prefix cache."""
     llm = AsyncLLM(model="default", async_scheduling=async_, worker_num_threads=args.threads)
     vocab = llm.config.model.vocab_size or 0
-    out: dict[float, dict[str, Any]] = {}
+    out: dict[float, list[dict[str, Any]]] = {rate: [] for rate in traffics}
     rates = list(traffics)
 
     async def run_all() -> None:
         await warm_up(llm, vocab)
         before = probe.factor()
-        for rate, traffic in traffics.items():
-            load = os.getloadavg()[0]
-            run = await replay(llm, traffic, vocab, prompt_seed(args, rate, rates))
-            after = probe.factor()
-            out[rate] = summary_of(run.timelines) | {
-                "wall_s": run.wall_s,
-                "max_send_lateness_s": run.max_send_lateness_s,
-                "load_average_1m_before": load,
-                "probe_factors": [before, after],
-            }
-            before = after
-            print(f"  measured {rate:.3g} req/s: {brief(out[rate])}", flush=True)
-            print(f"    probe factors {out[rate]['probe_factors']}, load {load:.2f}", flush=True)
+        for repeat in range(args.repeats):
+            for rate, traffic in traffics.items():
+                load = os.getloadavg()[0]
+                seed = prompt_seed(args, rate, rates, repeat)
+                run = await replay(llm, traffic, vocab, seed)
+                after = probe.factor()
+                summary = summary_of(run.timelines) | {
+                    "wall_s": run.wall_s,
+                    "max_send_lateness_s": run.max_send_lateness_s,
+                    "load_average_1m_before": load,
+                    "probe_factors": [before, after],
+                }
+                out[rate].append(summary)
+                before = after
+                print(f"  measured {rate:.3g} req/s #{repeat}: {brief(summary)}", flush=True)
+                print(f"    probe factors {summary['probe_factors']}, load {load:.2f}", flush=True)
 
     try:
         asyncio.run(run_all())
     finally:
         llm.shutdown()
+    return out
+
+
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The compared metrics (`METRICS`) as medians over the repeats, and each one's
+    spread over them (`spread`: [min, max]); `probe_factors`: every run's, in order."""
+    out: dict[str, Any] = {"repeats": len(runs), "spread": {}, "probe_factors": []}
+    for key, pct in METRICS:
+        values = [v for v in (metric(run, key, pct) for run in runs) if v is not None]
+        value = statistics.median(values) if values else None
+        if pct is None:
+            out[key] = value
+        else:
+            out.setdefault(key, {})[pct] = value
+        out["spread"][f"{key}{'.' + pct if pct else ''}"] = (
+            [min(values), max(values)] if values else None
+        )
+    for run in runs:
+        out["probe_factors"] += run["probe_factors"]
     return out
 
 
@@ -230,6 +256,20 @@ def ratios(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, flo
     return out
 
 
+def print_spread(rows: list[dict[str, Any]]) -> None:
+    """Measured max / min over the repeats, per metric: the noise a prediction sits in."""
+    heads = ["TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "req/s", "tok/s"]
+    print("\nmeasured spread: max / min over the repeats")
+    print(f"{'mode':<6}{'rate':>7}  " + "".join(f"{h:>10}" for h in heads))
+    for row in rows:
+        spans = row["measured"]["spread"].values()
+        cells = "".join(
+            f"{hi / lo:>10.3f}" if span and (lo := span[0]) and (hi := span[1]) else f"{'-':>10}"
+            for span in spans
+        )
+        print(f"{row['mode']:<6}{row['rate']:>7.3g}  {cells}")
+
+
 def print_table(rows: list[dict[str, Any]], prediction: str) -> None:
     heads = ["TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "req/s", "tok/s"]
     print(f"\n{prediction}: predicted / measured")
@@ -251,6 +291,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rates", default="auto", help="auto or a comma list of req/s")
     p.add_argument("--modes", default="sync,async")
+    p.add_argument("--repeats", type=int, default=3, help="measured runs per mode and rate")
     p.add_argument("--out", type=Path, default=RESULTS / "simulate_fidelity.json")
     return p.parse_args()
 
@@ -267,7 +308,8 @@ def run_mode(
     real = real_config(MODES[mode], args.threads)
     traffics = {rate: traffic_at(args, rate, real.max_model_len) for rate in rates}
     print(f"{mode}: measuring", flush=True)
-    measured = measure(MODES[mode], args, traffics, probe, fit)
+    runs = measure(MODES[mode], args, traffics, probe)
+    measured = {rate: median_of(runs[rate]) for rate in traffics}
     rows = []
     for rate, traffic in traffics.items():
         factor = statistics.fmean(measured[rate]["probe_factors"])
@@ -286,6 +328,7 @@ def run_mode(
                 "traffic": traffic_spec(args, rate),
                 "probe_factor": factor,
                 "measured": measured[rate],
+                "measured_runs": runs[rate],
                 "predicted": predicted,
                 "ratio": {n: ratios(predicted[n], measured[rate]) for n in PREDICTIONS},
             }
@@ -317,6 +360,7 @@ def main() -> None:
                 rows += run_mode(mode, args, rates, fit, probe, scratch)
         finally:
             probe.close()
+    print_spread(rows)
     for name in PREDICTIONS:
         print_table(rows, name)
     shown = fit_path.relative_to(ROOT.parent) if fit_path.is_relative_to(ROOT.parent) else fit_path
@@ -328,6 +372,7 @@ def main() -> None:
         "prompt_uniform": args.prompt,
         "output_uniform": args.output,
         "seed": args.seed,
+        "repeats": args.repeats,
         "fit": {"path": str(shown)} | {k: v for k, v in fit.to_json().items() if k != "points"},
         "saturation_rate_predicted": saturation,
         "rates": rates,

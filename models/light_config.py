@@ -28,32 +28,25 @@ from transformers.configuration_utils import PreTrainedConfig
 
 
 @strict
-class LightLlamaConfig(PreTrainedConfig):
-    """transformers' `LlamaConfig`: fields, defaults and `__post_init__`."""
-
-    model_type = "llama"
+class _LlamaFamilyConfig(PreTrainedConfig):
+    """What transformers' `LlamaConfig` and `MistralConfig` share: their common fields
+    (same defaults) and `__post_init__` (head_dim and KV heads derived when missing)."""
 
     vocab_size: int = 32000
     hidden_size: int = 4096
-    intermediate_size: int = 11008
     num_hidden_layers: int = 32
     num_attention_heads: int = 32
-    num_key_value_heads: int | None = None
+    head_dim: int | None = None
     hidden_act: str = "silu"
-    max_position_embeddings: int = 2048
     initializer_range: float = 0.02
     rms_norm_eps: float = 1e-6
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
-    pretraining_tp: int | None = 1
     tie_word_embeddings: bool = False
     rope_parameters: dict | None = None
-    attention_bias: bool = False
     attention_dropout: int | float | None = 0.0
-    mlp_bias: bool = False
-    head_dim: int | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.head_dim is None:
@@ -61,6 +54,21 @@ class LightLlamaConfig(PreTrainedConfig):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         super().__post_init__(**kwargs)
+
+
+@strict
+class LightLlamaConfig(_LlamaFamilyConfig):
+    """transformers' `LlamaConfig`: the family's fields plus its own, and its
+    architecture check."""
+
+    model_type = "llama"
+
+    intermediate_size: int = 11008
+    num_key_value_heads: int | None = None
+    max_position_embeddings: int = 2048
+    pretraining_tp: int | None = 1
+    attention_bias: bool = False
+    mlp_bias: bool = False
 
     def validate_architecture(self) -> None:
         if self.hidden_size % self.num_attention_heads != 0:
@@ -71,37 +79,15 @@ class LightLlamaConfig(PreTrainedConfig):
 
 
 @strict
-class LightMistralConfig(PreTrainedConfig):
-    """transformers' `MistralConfig`: fields, defaults and `__post_init__`."""
+class LightMistralConfig(_LlamaFamilyConfig):
+    """transformers' `MistralConfig`: the family's fields plus its own."""
 
     model_type = "mistral"
 
-    vocab_size: int = 32000
-    hidden_size: int = 4096
     intermediate_size: int = 14336
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
     num_key_value_heads: int = 8
-    head_dim: int | None = None
-    hidden_act: str = "silu"
     max_position_embeddings: int = 4096 * 32
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-6
-    use_cache: bool = True
-    pad_token_id: int | None = None
-    bos_token_id: int | None = 1
-    eos_token_id: int | list[int] | None = 2
-    tie_word_embeddings: bool = False
-    rope_parameters: dict | None = None
     sliding_window: int | None = 4096
-    attention_dropout: float | int = 0.0
-
-    def __post_init__(self, **kwargs: Any) -> None:
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        super().__post_init__(**kwargs)
 
 
 @strict

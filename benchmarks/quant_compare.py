@@ -18,7 +18,11 @@ tokens; greedy, EOS ignored):
 
 Every process reports its peak RSS (the whole process: Python, torch and the model); tandem's
 also its RSS with tandem, torch and transformers imported, before the model loads, and
-after the run (what it holds while serving).
+after the run (what it holds while serving). tandem's KV pool holds what llama.cpp's context
+holds: every sequence of the run at its full length (`cache.num_kv_blocks`; the default 4 GiB
+pool is committed page by page as blocks are first written, so its resident share would
+depend on how many requests ran before). The memory target is then checked as `model_mb`
+(peak minus the RSS before the model) against `allowed_mb` (1.5 x the GGUF + the pool).
 
     python benchmarks/quant_compare.py [--threads 2] [--repeats 3] [--engines ...]
 
@@ -50,6 +54,7 @@ PROMPT_TOKENS = 32
 NEW_TOKENS = 128
 SINGLE_PROMPTS = 3
 BATCH_PROMPTS = 64
+BLOCK_SIZE = 16
 
 
 def workloads() -> dict[str, dict[str, Any]]:
@@ -83,6 +88,8 @@ def current_rss_mb() -> float:
 
 def tandem_child(mode: str, run: str, workload: dict[str, Any], threads: int) -> dict[str, Any]:
     """One tandem engine in this process (the worker runs in it: `uniproc`)."""
+    import transformers  # noqa: F401 - part of the baseline (its package import is ~19 MB)
+
     from tandem import LLM, SamplingParams
 
     before_model_mb = current_rss_mb()
@@ -90,6 +97,14 @@ def tandem_child(mode: str, run: str, workload: dict[str, Any], threads: int) ->
     if mode.startswith("int4-g"):
         settings = {"quantization": "int4", "quantization_group_size": int(mode[6:])}
     prompts, new = workload["prompts"], workload["max_tokens"]
+    # Every sequence that runs at once, at its full length (single: one at a time, up to
+    # new + 1 tokens).
+    lengths = [len(p) + new + 1 for p in prompts]
+    blocks = (
+        max(-(-n // BLOCK_SIZE) for n in lengths)
+        if run == "single"
+        else sum(-(-n // BLOCK_SIZE) for n in lengths)
+    )
     llm = LLM(
         model="default",
         dtype="float32",
@@ -97,8 +112,12 @@ def tandem_child(mode: str, run: str, workload: dict[str, Any], threads: int) ->
         enable_prefix_caching=False,
         max_model_len=PROMPT_TOKENS + NEW_TOKENS + 8,
         max_num_seqs=max(len(prompts), 1),
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=blocks,
         **settings,
     )
+    pools = llm.engine.executor.worker.model.kv_caches
+    kv_pool_mb = sum(k.nbytes + v.nbytes for k, v in pools) / 2**20
 
     def params(n: int) -> Any:
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -127,6 +146,8 @@ def tandem_child(mode: str, run: str, workload: dict[str, Any], threads: int) ->
         result["peak_rss_mb"] = peak_rss_mb()
         result["rss_before_model_mb"] = before_model_mb
         result["rss_after_mb"] = current_rss_mb()
+        result["kv_pool_mb"] = kv_pool_mb
+        result["model_mb"] = result["peak_rss_mb"] - before_model_mb
         return result
     finally:
         llm.engine.shutdown()
@@ -152,7 +173,7 @@ def run_child(engine: str, run: str, workload_file: Path, threads: int) -> dict[
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]], gguf_mb: float) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for engine, by_run in runs.items():
         entry: dict[str, Any] = {}
@@ -160,6 +181,10 @@ def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any
             key = "decode_ms_per_token" if run == "single" else "output_tokens_per_s"
             entry[f"{run}_{key}"] = statistics.median(r[key] for r in results)
             entry[f"{run}_peak_rss_mb"] = max(r["peak_rss_mb"] for r in results)
+            if "model_mb" in results[0]:
+                entry[f"{run}_model_mb"] = max(r["model_mb"] for r in results)
+                pool = max(r["kv_pool_mb"] for r in results)
+                entry[f"{run}_allowed_mb"] = 1.5 * gguf_mb + pool
         summary[engine] = entry
     peer = summary.get("llamacpp")
     if peer:
@@ -235,9 +260,10 @@ def main() -> None:
                         {k: v for k, v in result.items() if "tokens" not in k or "per" in k},
                         flush=True,
                     )
-    summary = summarise(runs)
     from tandem.models.cpu_features import cpu_flags
     from tandem.models.model_files import embedded_gguf_path
+
+    summary = summarise(runs, embedded_gguf_path().stat().st_size / 2**20)
 
     report = {
         "benchmark": "quant_compare",

@@ -74,13 +74,15 @@ class LLM:
         self._generation_defaults = load_generation_defaults(
             self.config, self._loader.has_tokenizer
         )
-        source = str(config) if isinstance(config, (str, Path)) else "<config>"
-        self.engine = EngineCore(self.config, source=source)
+        # The tokenizer loads before the model: its parse transient then lands on a small
+        # process and the freed heap is reused by the weights, not added on top of them.
         self.tokenizer = None
         if self._loader.has_tokenizer:
             from tandem.models.model_files import load_tokenizer
 
             self.tokenizer = load_tokenizer(Path(self.config.model.model))
+        source = str(config) if isinstance(config, (str, Path)) else "<config>"
+        self.engine = EngineCore(self.config, source=source)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._builder = RequestBuilder(self.config, self.tokenizer)
         self._counter = itertools.count()

@@ -1,6 +1,7 @@
 """The quantized GEMM's code paths agree: the register (decode) tiles, including the
 AVX-512 tile that sums codes against x per group and scales once per group (up to 8 rows,
-and in blocks of 8 up to 32 rows), the panel path (above), and the portable loops; scales and mins held as fp16 (when every value is one) or float32.
+and in blocks of 8 up to 32 rows), the panel path (above, across row blocks of 96), and the
+portable loops; scales and mins held as fp16 (when every value is one) or float32.
 
 Each case is checked against a float64 product with the dequantized weight, and identity
 rows read each weight back exactly as `dequantize()` gives it."""
@@ -50,7 +51,7 @@ def test_every_path_matches_the_dequantized_product(kind: str, scales: str, n: i
     layer = QuantLinear(weight, bias)
     assert layer.half_scales == (scales == "fp16")
     dense = weight.dequantize().double()
-    for rows in (1, 2, 3, 4, 5, 8, 9, 17, 32, 33):
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17, 32, 33, 48, 100, 197):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         reference = x.double() @ dense.T + bias.double()
         for portable in (False, True):
@@ -62,15 +63,17 @@ def test_every_path_matches_the_dequantized_product(kind: str, scales: str, n: i
 @pytest.mark.parametrize("kind", ["int4-g32", "int8-g32", "int8-channel"])
 @pytest.mark.parametrize("scales", ["fp16", "float32"])
 def test_identity_rows_read_back_each_dequantized_weight_exactly(kind: str, scales: str) -> None:
-    weight = _weight(kind, 24, 96)
+    weight = _weight(kind, 56, 96)
     if scales == "float32":
         weight = _float32_scales(weight)
     layer = QuantLinear(weight)
     dense = weight.dequantize()
-    # register tiles (one, blocks of 8 and a remainder) and the panel path (past 32 rows)
-    for start, rows in ((0, 1), (5, 4), (0, 8), (40, 9), (3, 29), (50, 33)):
-        eye = torch.eye(96)[start : start + rows]
-        assert torch.equal(layer.run(eye), dense[:, start : start + rows].T)
+    # register tiles (one, blocks of 8 and a remainder) and the panel path (past 32 rows;
+    # 130 rows: two row blocks, a partial tile)
+    eyes = torch.cat([torch.eye(96), torch.eye(96)])
+    for start, rows in ((0, 1), (5, 4), (0, 8), (40, 9), (3, 29), (50, 33), (7, 130)):
+        eye = eyes[start : start + rows]
+        assert torch.equal(layer.run(eye), eyes[start : start + rows] @ dense.T)
 
 
 def test_fp16_scales_halve_the_scale_bytes() -> None:

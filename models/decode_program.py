@@ -7,7 +7,9 @@ kernels' addresses and the layers' weights to one C function that makes the same
 the same order, so its hidden states are bit-identical to the Python loop's.
 
 It runs a step when (checked per step; otherwise the Python loop runs):
-- every query token is a decode (`PagedAttentionMetadata.decode_batch.all_tokens`);
+- every query token is a decode (`PagedAttentionMetadata.decode_batch.all_tokens`; with the
+  CPU decode kernel that includes prefill chunks of short contexts,
+  `paged_attention.MAX_CONTEXT_AS_KERNEL_DECODES`);
 - the activations are float32 on the CPU and both KV pools of every layer are float32
   contiguous (the decode kernel's layout);
 and it exists for a decoder (checked once, `DecodeProgram.build`) whose linears all run on

@@ -10,7 +10,8 @@ new keys and values at `slot_mapping`, then attends:
   prefix: with the CPU kernel, all at once, reading the pools in place
   (`cpu_kernels.PagedDecodeKernel`); otherwise sorted by context length and attended in
   groups of similar length, one batched SDPA per group over the gathered contexts, masked
-  to each query's length;
+  to each query's length. With the CPU kernel, prefill chunks of requests whose context is
+  at most `MAX_CONTEXT_AS_KERNEL_DECODES` tokens are attended as decodes too;
 - longer prefill chunks one request at a time (a handful per step), causal with the
   chunk's offset into its context. On CPU (`_prefill_split`): two mask-free flash calls,
   causal over the chunk's own fresh keys (no gather), and, with a cached prefix, unmasked
@@ -111,6 +112,15 @@ DECODE_GROUP_SIZE = 16
 #: s sees the s + i + 1 keys of its causal prefix (this step's keys are written before
 #: attending). One batched decode call then replaces one SDPA per request and layer.
 MAX_SPAN_AS_DECODES = 16
+#: With the compiled CPU decode kernel, every request whose context (cached prefix and this
+#: step's tokens) is at most this long is attended as decodes, whatever its span: the kernel
+#: reads each query's causal prefix in place, which beats the flash prefill path (SDPA's CPU
+#: flash kernel, small tiles at these lengths). `python benchmarks/prefill_as_decodes.py`
+#: (SmolLM2, 2-core AVX-512 EPYC), time to first token, decodes / flash: Q4_1 kept 0.88-0.91
+#: at 64-250 prompt tokens, 0.93-0.95 at 400-700, 1.05 at 1,024 (2 threads), 0.89-0.96 at
+#: 64-250 and 1.04 at 700 (1 thread); bf16 0.91-0.96 up to 1,024; behind a 300-token cached
+#: prefix 0.87-0.94. Longer contexts stream each query's keys from beyond L2: flash path.
+MAX_CONTEXT_AS_KERNEL_DECODES = 512
 
 
 def _decode_group(
@@ -148,7 +158,8 @@ def build_metadata(
     decode_set: set[int] = set()
     for r in range(len(seq_lens)):
         start, n = query_start_loc[r], query_start_loc[r + 1] - query_start_loc[r]
-        if 0 < n <= MAX_SPAN_AS_DECODES:
+        kernel_span = decode_kernel is not None and seq_lens[r] <= MAX_CONTEXT_AS_KERNEL_DECODES
+        if n > 0 and (n <= MAX_SPAN_AS_DECODES or kernel_span):
             decode_set.add(r)
             first = seq_lens[r] - n + 1
             decodes.extend((start + i, r, first + i) for i in range(n))

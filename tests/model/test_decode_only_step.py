@@ -65,7 +65,9 @@ def test_decode_only_step_returns_the_kernel_output_whole() -> None:
 
 
 @pytest.mark.skipif(KERNEL is None, reason="no C++ compiler: no CPU decode kernel")
-def test_mixed_step_keeps_the_general_path() -> None:
-    meta, _ = _step([1, 20, 1], [5, 40, 17])  # the middle request is a prefill chunk
+def test_mixed_step_keeps_the_general_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The middle request is a prefill chunk (its context past the kernel's prefill limit).
+    monkeypatch.setattr(pa, "MAX_CONTEXT_AS_KERNEL_DECODES", 39)
+    meta, _ = _step([1, 20, 1], [5, 40, 17])
     assert meta.decode_batch is not None and not meta.decode_batch.all_tokens
     assert len(meta.prefills) == 1

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tandem import LLM
+from tandem.models import paged_attention
 from tandem.models.decode_program import DecodeProgram
 from tandem.models.panel_linear import panel_gemm_kernel
 from tandem.testing.engine import make_request
@@ -85,20 +86,27 @@ def python_loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     ("arch", "mode"), [("llama", "int8"), ("qwen2", "int4"), ("llama", "int4")]
 )
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("prefill_as_decodes", [True, False])
 def test_program_is_bit_identical_to_the_python_loop(
     tiny_models: dict[str, Path],
     monkeypatch: pytest.MonkeyPatch,
     arch: str,
     mode: str,
     threads: int,
+    prefill_as_decodes: bool,
 ) -> None:
+    """With prefill chunks attended as kernel decodes (short contexts, the default) every
+    step is one the program runs; without, steps with a prefill decline it."""
+    if not prefill_as_decodes:
+        monkeypatch.setattr(paged_attention, "MAX_CONTEXT_AS_KERNEL_DECODES", 0)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         spy = _Spy(monkeypatch)
         compiled = _generate(tiny_models[arch], quantization=mode)
         assert compiled[1], "the program was not built for kernel-only layers"
-        assert spy.ran > 0 and spy.declined > 0  # decode-only steps, and mixed steps
+        assert spy.ran > 0
+        assert (spy.declined == 0) if prefill_as_decodes else (spy.declined > 0)
         monkeypatch.setenv("TANDEM_DECODE_PROGRAM", "0")
         looped = _generate(tiny_models[arch], quantization=mode)
     finally:

@@ -1,6 +1,7 @@
 """The CPU prefill path (fresh chunk keys + gathered prefix, two flash calls merged by
 logsumexp) against the gathered-context SDPA path it replaces, and both against a
-float64 reference.
+float64 reference; and the same chunks attended as decodes by the compiled kernel (contexts
+up to `MAX_CONTEXT_AS_KERNEL_DECODES`) against both.
 
 One step with fresh prefills and chunks over a cached prefix (block-aligned or not), GQA,
 NaN-filled pools (an unwritten slot read by either path would show), both key layouts,
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import tandem.models.paged_attention as pa
-from tandem.models.cpu_kernels import PagedDecodeKernel
+from tandem.models.cpu_kernels import PagedDecodeKernel, paged_decode_kernel
 
 Q_HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 8, 4
 #: (cached prefix, chunk length) per request; chunks exceed MAX_SPAN_AS_DECODES. A
@@ -28,9 +29,12 @@ class _Layer:
 
 
 def _step(
-    keys_transposed: bool, pool_dtype: torch.dtype
+    keys_transposed: bool,
+    pool_dtype: torch.dtype,
+    kernel: PagedDecodeKernel | None = None,
 ) -> tuple[pa.PagedAttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, list]:
-    """Pools (NaN outside the cached prefixes), this step's q/k/v and the plan."""
+    """Pools (NaN outside the cached prefixes), this step's q/k/v and the plan (with
+    `kernel`, a real decode kernel: keys transposed)."""
     gen = torch.Generator().manual_seed(0)
     lens = [p + n for p, n in SPANS]
     blocks_per = [-(-n // BLOCK) for n in lens]
@@ -66,12 +70,12 @@ def _step(
             for r, (p, n) in enumerate(SPANS)
         ]
     )
-    # No decodes in the step: the decode kernel is never called, it only marks the layout.
-    kernel = cast(PagedDecodeKernel, object()) if keys_transposed else None
+    if kernel is None and keys_transposed:
+        # No decodes in the step: the kernel is never called, it only marks the layout.
+        kernel = cast(PagedDecodeKernel, object())
     meta = pa.build_metadata(
         [(k_pool, v_pool)], slots, starts, [p for p, _ in SPANS], lens, tables, BLOCK, kernel
     )
-    assert len(meta.prefills) == len(SPANS) and not meta.decode_groups
     # q as the model passes it: a `[T, Hq, D]` view of a wider fused QKV row.
     qkv = torch.randn(starts[-1], (Q_HEADS + 2 * KV_HEADS) * DIM, generator=gen)
     q = qkv[:, : Q_HEADS * DIM].view(-1, Q_HEADS, DIM).transpose(0, 1)[None]
@@ -111,7 +115,9 @@ def test_split_prefill_matches_gathered_sdpa(
 ) -> None:
     if pa._FLASH_CPU is None:
         pytest.skip("this torch has no CPU flash-attention op")
+    monkeypatch.setattr(pa, "MAX_CONTEXT_AS_KERNEL_DECODES", 0)  # every chunk a prefill
     meta, q, key, value, ref = _step(keys_transposed, pool_dtype)
+    assert len(meta.prefills) == len(SPANS) and not meta.decode_groups
     split = _run(meta, q, key, value, scaling)
     monkeypatch.setattr(pa, "_FLASH_CPU", None)  # the gathered-context path
     gathered = _run(meta, q, key, value, scaling)
@@ -119,3 +125,40 @@ def test_split_prefill_matches_gathered_sdpa(
     torch.testing.assert_close(split, gathered, atol=2e-6, rtol=1e-5)
     if scaling is None and pool_dtype == torch.float32:
         torch.testing.assert_close(split.double(), torch.cat(ref), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scaling", [None, 0.3])
+def test_prefill_chunks_attended_as_kernel_decodes_match_the_flash_path(
+    pool_dtype: torch.dtype, scaling: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kernel = paged_decode_kernel()
+    if kernel is None or pa._FLASH_CPU is None:
+        pytest.skip("needs the compiled decode kernel and the CPU flash-attention op")
+    meta, q, key, value, ref = _step(True, pool_dtype, kernel)
+    # Every chunk (17-40 tokens, contexts up to 57) goes to the kernel: no prefill left.
+    assert not meta.prefills and meta.decode_batch is not None
+    assert meta.decode_batch.all_tokens
+    as_decodes = _run(meta, q, key, value, scaling)
+    monkeypatch.setattr(pa, "MAX_CONTEXT_AS_KERNEL_DECODES", 0)
+    meta, q, key, value, _ = _step(True, pool_dtype, kernel)
+    assert len(meta.prefills) == len(SPANS)
+    flash = _run(meta, q, key, value, scaling)
+    assert not as_decodes.isnan().any()
+    torch.testing.assert_close(as_decodes, flash, atol=2e-6, rtol=1e-5)
+    if scaling is None and pool_dtype == torch.float32:
+        torch.testing.assert_close(as_decodes.double(), torch.cat(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_long_contexts_stay_on_the_flash_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = paged_decode_kernel()
+    if kernel is None:
+        pytest.skip("needs the compiled decode kernel")
+    # The longest context is 57 tokens: a limit of 40 keeps it (and the 40-token chunk,
+    # context 57) a prefill while the others become decodes.
+    monkeypatch.setattr(pa, "MAX_CONTEXT_AS_KERNEL_DECODES", 40)
+    meta, *_ = _step(True, torch.float32, kernel)
+    lens = [p + n for p, n in SPANS]
+    assert len(meta.prefills) == sum(n > 40 for n in lens)
+    assert meta.decode_batch is not None
+    assert int(meta.decode_batch.token_idx.numel()) == sum(n for p, n in SPANS if p + n <= 40)

@@ -22,6 +22,7 @@ Q_HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 8, 4
 #: (cached prefix, chunk length) per request; chunks exceed MAX_SPAN_AS_DECODES. A
 #: one-block prefix makes `_gather_transposed` return a view strided in its last dimension.
 SPANS = ((0, 20), (13, 17), (24, 33), (0, 40), (5, 18), (4, 17))
+NO_KERNEL = "no compiled decode kernel here (no C++ compiler, or TANDEM_CPU_KERNELS=0)"
 
 
 class _Layer:
@@ -133,8 +134,10 @@ def test_prefill_chunks_attended_as_kernel_decodes_match_the_flash_path(
     pool_dtype: torch.dtype, scaling: float | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kernel = paged_decode_kernel()
-    if kernel is None or pa._FLASH_CPU is None:
-        pytest.skip("needs the compiled decode kernel and the CPU flash-attention op")
+    if kernel is None:
+        pytest.skip(NO_KERNEL)
+    if pa._FLASH_CPU is None:
+        pytest.skip("this torch has no CPU flash-attention op")
     meta, q, key, value, ref = _step(True, pool_dtype, kernel)
     # Every chunk (17-40 tokens, contexts up to 57) goes to the kernel: no prefill left.
     assert not meta.prefills and meta.decode_batch is not None
@@ -153,7 +156,7 @@ def test_prefill_chunks_attended_as_kernel_decodes_match_the_flash_path(
 def test_long_contexts_stay_on_the_flash_path(monkeypatch: pytest.MonkeyPatch) -> None:
     kernel = paged_decode_kernel()
     if kernel is None:
-        pytest.skip("needs the compiled decode kernel")
+        pytest.skip(NO_KERNEL)
     # The longest context is 57 tokens: a limit of 40 keeps it (and the 40-token chunk,
     # context 57) a prefill while the others become decodes.
     monkeypatch.setattr(pa, "MAX_CONTEXT_AS_KERNEL_DECODES", 40)

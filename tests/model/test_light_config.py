@@ -116,18 +116,64 @@ def test_a_config_value_of_the_wrong_type_is_a_config_error_naming_the_file(
         load_hf_config(model_dir)
 
 
-def test_the_tokenizer_gets_the_light_config_and_encodes_as_before(smollm2_dir: Path) -> None:
-    from transformers import AutoTokenizer
-
-    want = AutoTokenizer.from_pretrained(str(smollm2_dir))
-    got = load_tokenizer(smollm2_dir)
+def _assert_same_tokenizer(got: Any, want: Any) -> None:
     assert type(got) is type(want)
     text = "Hello, tandem! <|im_start|>user\nnaïve café 12345<|im_end|>"
     assert got(text)["input_ids"] == want(text)["input_ids"]
-    messages = [{"role": "user", "content": "hi"}]
-    assert got.apply_chat_template(messages, tokenize=False) == want.apply_chat_template(
-        messages, tokenize=False
+    assert (
+        got(text, add_special_tokens=False)["input_ids"]
+        == want(text, add_special_tokens=False)["input_ids"]
     )
+    ids = want(text)["input_ids"]
+    assert got.decode(ids) == want.decode(ids)
+    assert got.decode(ids, skip_special_tokens=True) == want.decode(ids, skip_special_tokens=True)
+    assert got.convert_ids_to_tokens(ids) == want.convert_ids_to_tokens(ids)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        assert getattr(got, name) == getattr(want, name), name
+    assert got.all_special_ids == want.all_special_ids
+    assert got.added_tokens_decoder == want.added_tokens_decoder
+    assert len(got) == len(want) and got.get_vocab() == want.get_vocab()
+    assert got.model_max_length == want.model_max_length
+    assert got.padding_side == want.padding_side
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "bye"},
+    ]
+    for prompt in (False, True):
+        assert got.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=prompt
+        ) == want.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+
+
+def test_the_tokenizer_gets_the_light_config_and_encodes_as_before(smollm2_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    _assert_same_tokenizer(
+        load_tokenizer(smollm2_dir), AutoTokenizer.from_pretrained(str(smollm2_dir))
+    )
+
+
+def test_a_generic_fast_tokenizer_loads_as_auto_tokenizer_loads_it(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """`tokenizer_class` `PreTrainedTokenizerFast` (the alias) is loaded by the generic class
+    directly, as `AutoTokenizer` loads it; a class that is not generic still goes through
+    `AutoTokenizer` (a GPT-2 tokenizer over the same files)."""
+    from transformers import AutoTokenizer
+
+    for named in ("PreTrainedTokenizerFast", "GPT2Tokenizer"):
+        target = tmp_path / named
+        target.mkdir()
+        for name in ("tokenizer.json", "chat_template.jinja", "config.json"):
+            if (smollm2_dir / name).exists():
+                (target / name).write_bytes((smollm2_dir / name).read_bytes())
+        settings = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+        (target / "tokenizer_config.json").write_text(
+            json.dumps({**settings, "tokenizer_class": named})
+        )
+        _assert_same_tokenizer(load_tokenizer(target), AutoTokenizer.from_pretrained(str(target)))
 
 
 def test_reading_the_config_and_tokenizer_skips_transformers_model_config_modules(
@@ -135,8 +181,13 @@ def test_reading_the_config_and_tokenizer_skips_transformers_model_config_module
 ) -> None:
     """In a fresh process: `load_hf_config` and `load_tokenizer` on the embedded model
     import neither transformers' Llama config module nor `torch.distributed.tensor` (the
-    ~70 MB chain `AutoConfig` pulls in)."""
-    heavy = ("transformers.models.llama.configuration_llama", "torch.distributed.tensor")
+    ~70 MB chain `AutoConfig` pulls in), nor `AutoTokenizer`'s module (about 7.6 MB: it
+    indexes every model package transformers ships)."""
+    heavy = (
+        "transformers.models.llama.configuration_llama",
+        "torch.distributed.tensor",
+        "transformers.models.auto.tokenization_auto",
+    )
     code = (
         "import json, sys\n"
         "from pathlib import Path\n"

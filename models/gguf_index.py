@@ -6,7 +6,7 @@ Python objects, at load and at every architecture lookup. `GGUFIndex` walks the 
 with `struct` over a read-only mapping of the file: array values are skipped (their strings
 are stepped over by length), scalar and string values are kept in `fields`, and each
 tensor's data is a numpy view into the mapping, shaped as gguf's reader shapes it (the GGUF
-dimensions reversed; for quantized types the last one in bytes, `quant_shape_to_byte_shape`).
+dimensions reversed; for quantized types the last one in bytes).
 Pages of the mapping that were read count in the process's resident memory until the map
 is closed; a reader that has copied a tensor out calls `release(tensor)` to drop them at
 once (they stay in the page cache, and a later read faults them back in).
@@ -20,12 +20,11 @@ from __future__ import annotations
 import mmap
 import struct
 from dataclasses import dataclass
+from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import quant_shape_to_byte_shape
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -44,6 +43,89 @@ _SCALARS = {
     11: "<q",
     12: "<d",
 }
+
+
+class GGMLQuantizationType(IntEnum):
+    """GGML's tensor types by their ids in a GGUF's tensor directory (gguf's enum of the
+    same name; held equal to it by `tests/model/test_gguf_index.py`). Defined here so that
+    reading a GGUF imports no gguf: its package pulls in sentencepiece and numpy's typing,
+    about 2.7 MB of resident memory."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q8_1 = 9
+    Q2_K = 10
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    Q8_K = 15
+    IQ2_XXS = 16
+    IQ2_XS = 17
+    IQ3_XXS = 18
+    IQ1_S = 19
+    IQ4_NL = 20
+    IQ3_S = 21
+    IQ2_S = 22
+    IQ4_XS = 23
+    I8 = 24
+    I16 = 25
+    I32 = 26
+    I64 = 27
+    F64 = 28
+    IQ1_M = 29
+    BF16 = 30
+    TQ1_0 = 34
+    TQ2_0 = 35
+    MXFP4 = 39
+    NVFP4 = 40
+    Q1_0 = 41
+
+
+_T = GGMLQuantizationType
+#: (elements, bytes) per block of each type (gguf's `GGML_QUANT_SIZES`).
+GGML_QUANT_SIZES: dict[GGMLQuantizationType, tuple[int, int]] = {
+    _T.F32: (1, 4),
+    _T.F16: (1, 2),
+    _T.Q4_0: (32, 18),
+    _T.Q4_1: (32, 20),
+    _T.Q5_0: (32, 22),
+    _T.Q5_1: (32, 24),
+    _T.Q8_0: (32, 34),
+    _T.Q8_1: (32, 40),
+    _T.Q2_K: (256, 84),
+    _T.Q3_K: (256, 110),
+    _T.Q4_K: (256, 144),
+    _T.Q5_K: (256, 176),
+    _T.Q6_K: (256, 210),
+    _T.Q8_K: (256, 292),
+    _T.IQ2_XXS: (256, 66),
+    _T.IQ2_XS: (256, 74),
+    _T.IQ3_XXS: (256, 98),
+    _T.IQ1_S: (256, 50),
+    _T.IQ4_NL: (32, 18),
+    _T.IQ3_S: (256, 110),
+    _T.IQ2_S: (256, 82),
+    _T.IQ4_XS: (256, 136),
+    _T.I8: (1, 1),
+    _T.I16: (1, 2),
+    _T.I32: (1, 4),
+    _T.I64: (1, 8),
+    _T.F64: (1, 8),
+    _T.IQ1_M: (256, 56),
+    _T.BF16: (1, 2),
+    _T.TQ1_0: (256, 54),
+    _T.TQ2_0: (256, 66),
+    _T.MXFP4: (32, 17),
+    _T.NVFP4: (64, 36),
+    _T.Q1_0: (128, 18),
+}
+
 #: numpy dtypes of the unquantized tensor types, as gguf's reader gives them.
 _PLAIN = {
     GGMLQuantizationType.F32: np.float32,
@@ -73,6 +155,7 @@ class GGUFIndex:
     """The header of the GGUF at `path` (see the module docstring)."""
 
     def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._offset = 0
@@ -138,7 +221,10 @@ class GGUFIndex:
     def _tensor_info(self) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
         name = self._string()
         dims = tuple(self._read("<Q") for _ in range(self._read("<I")))
-        return name, dims, GGMLQuantizationType(self._read("<I")), self._read("<Q")
+        type_id = self._read("<I")
+        if type_id not in GGML_QUANT_SIZES:
+            raise ValueError(f"{self.path}: tensor {name!r} has unknown GGML type id {type_id}")
+        return name, dims, GGMLQuantizationType(type_id), self._read("<Q")
 
     def _tensor(
         self, start: int, name: str, dims: tuple[int, ...], kind: GGMLQuantizationType, at: int
@@ -148,8 +234,13 @@ class GGUFIndex:
         dtype = _PLAIN.get(kind)
         if dtype is None:
             block_size, type_size = GGML_QUANT_SIZES[kind]
+            if shape[-1] % block_size:
+                raise ValueError(
+                    f"{self.path}: tensor {name!r}: row of {shape[-1]} is not a whole number "
+                    f"of {kind.name} blocks ({block_size})"
+                )
             count, dtype = elements * type_size // block_size, np.uint8
-            shape = quant_shape_to_byte_shape(shape, kind)
+            shape = (*shape[:-1], shape[-1] // block_size * type_size)
         else:
             count = elements
         data = np.frombuffer(self._map, dtype=dtype, count=count, offset=start + at)

@@ -9,9 +9,9 @@ scales and mins made exactly, no float round trip). Every other tensor (norms, w
 other GGUF types) is read as float from the converted copy, and one log line names the
 types that were dequantized.
 
-Names: gguf's own tensor-name map (`gguf.get_tensor_name_map`) gives each HF parameter's
-GGUF name. Llama's Q and K rows are stored permuted in GGUF (llama.cpp's rotary layout);
-they are put back in HF order exactly as transformers' GGUF loader does, a permutation of
+Names: `gguf_name_map` gives each HF parameter's GGUF name (a table for the Llama family,
+gguf's own `get_tensor_name_map` for other architectures). Llama's Q and K rows are stored
+permuted in GGUF (llama.cpp's rotary layout); they are put back in HF order exactly as transformers' GGUF loader does, a permutation of
 whole rows (codes, scales and mins alike), so the kept weights dequantize to the converted
 copy's float32 weights bit for bit.
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,59 @@ logger = logging.getLogger("tandem.model")
 GGUF_SOURCE_FILE = "gguf_source.txt"
 #: Architectures whose GGUF Q/K rows are permuted (transformers' LlamaTensorProcessor).
 _PERMUTED_QK = ("llama",)
+
+
+#: GGUF names of the Llama-family modules (HF module path -> GGUF tensor base name), as
+#: gguf's `get_tensor_name_map` gives them for these architectures. Read from this table,
+#: loading imports no gguf: its package pulls in sentencepiece and numpy's typing (about
+#: 2.7 MB of resident memory). `tests/model/test_gguf_weights.py` holds it to gguf's map.
+LLAMA_FAMILY_ARCHS = ("llama", "qwen2", "qwen3")
+_MODEL_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+#: Qwen3's per-head Q/K norms.
+_QK_NORM_NAMES = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+
+
+def gguf_name_map(arch: str, num_layers: int) -> Callable[[str], str | None]:
+    """HF module path -> GGUF tensor base name (None where the file has no such tensor)
+    for architecture `arch` with `num_layers` layers: the table above for the Llama
+    family, gguf's own map for any other architecture gguf knows, else nothing."""
+    if arch in LLAMA_FAMILY_ARCHS:
+        layer_names = {**_LAYER_NAMES, **(_QK_NORM_NAMES if arch == "qwen3" else {})}
+
+        def llama_family(base: str) -> str | None:
+            if base in _MODEL_NAMES:
+                return _MODEL_NAMES[base]
+            prefix, _, rest = base.partition(".layers.")
+            layer, _, module = rest.partition(".")
+            if prefix != "model" or not layer.isdigit() or str(int(layer)) != layer:
+                return None
+            if int(layer) >= num_layers:
+                return None
+            suffix = layer_names.get(module)
+            return f"blk.{int(layer)}.{suffix}" if suffix else None
+
+        return llama_family
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch_id = {v: k for k, v in MODEL_ARCH_NAMES.items()}.get(arch)
+    if arch_id is None:
+        return lambda base: None
+    return get_tensor_name_map(arch_id, num_layers).get_name
 
 
 def record_gguf_source(model_dir: Path, gguf_path: Path) -> None:
@@ -81,24 +135,26 @@ def _qk_row_order(rows: int, heads: int) -> torch.Tensor:
 class GGUFShards:
     """`CheckpointShards`' interface (what the fused decoder and the LM head read) over a
     GGUF and its converted directory: `rows` / `cols` of a tensor of a kept type return a
-    `QuantizedWeight` block, of anything else the float tensor from `floats`."""
+    `QuantizedWeight` block; a Llama-family file's one-dimensional F32 / F16 tensors (norms,
+    biases; not Llama's permuted Q/K biases) are read from the GGUF too, converted as the
+    converted copy holds them (to float32, then `floats.dtype`), so a model whose matrices
+    are all kept never opens the converted copy's safetensors; anything else is the float
+    tensor from `floats`."""
 
     def __init__(self, path: Path, floats: CheckpointShards, hf_config: Any, names: list[str]):
-        from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
-
         self.path, self.floats, self.hf_config = path, floats, hf_config
         index = GGUFIndex(path)
         self._index: GGUFIndex | None = index
         self.arch = index.architecture()
-        arch_id = {v: k for k, v in MODEL_ARCH_NAMES.items()}.get(self.arch)
         by_name = {t.name: t for t in index.tensors}
-        name_map = get_tensor_name_map(arch_id, hf_config.num_hidden_layers) if arch_id else None
+        gguf_name = gguf_name_map(self.arch, hf_config.num_hidden_layers)
         self._tensors: dict[str, GGUFTensor] = {}
+        self._plain: dict[str, GGUFTensor] = {}
         dequantized: Counter[str] = Counter()
         kept: Counter[str] = Counter()
         for name in names:
             base, _, suffix = name.rpartition(".")
-            gguf_base = name_map.get_name(base) if name_map is not None else None
+            gguf_base = gguf_name(base)
             tensor = by_name.get(f"{gguf_base}.{suffix}") if gguf_base else None
             if tensor is None:
                 continue
@@ -106,6 +162,8 @@ class GGUFShards:
             if kind in GGUF_KEPT_TYPES and len(tensor.shape) == 2:
                 self._tensors[name] = tensor
                 kept[kind] += 1
+            elif kind in ("F32", "F16") and len(tensor.shape) == 1 and self._plain_exact(name):
+                self._plain[name] = tensor
             elif kind not in ("F32", "F16", "BF16"):
                 dequantized[kind] += 1
         self.kept_types = dict(kept)
@@ -152,12 +210,40 @@ class GGUFShards:
             return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         return None
 
+    def _plain_exact(self, name: str) -> bool:
+        """Whether the GGUF's own values of plain tensor `name` are the converted copy's:
+        a Llama-family file, and not a Q/K tensor that the conversion permutes."""
+        if self.arch not in LLAMA_FAMILY_ARCHS:
+            return False
+        permuted = self.arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name)
+        return not permuted
+
+    def is_plain(self, name: str) -> bool:
+        """Whether `name` is read as float from the GGUF itself (see the class docstring)."""
+        return name in self._plain
+
+    def plain_rows(self, name: str, part: int = 0, parts: int = 1) -> torch.Tensor:
+        """Row block `part` of `parts` of the plain tensor `name`, as float."""
+        tensor = self._plain[name]
+        n = int(tensor.shape[0]) // parts
+        values = torch.from_numpy(tensor.data[part * n : (part + 1) * n].copy())
+        return values.to(torch.float32).to(
+            dtype=self.floats.dtype or torch.float32, device=self.floats.device
+        )
+
+    def float_reader(self) -> GGUFFloats:
+        """Float tensors only (never a `QuantizedWeight`): the plain ones from the GGUF,
+        the rest from `floats`. What the modules kept as they are read."""
+        return GGUFFloats(self)
+
     def has(self, name: str) -> bool:
-        return name in self._tensors or self.floats.has(name)
+        return name in self._tensors or name in self._plain or self.floats.has(name)
 
     def rows(self, name: str, part: int = 0, parts: int = 1) -> Any:
         if name in self._tensors:
             return self.quantized(name, part, parts)
+        if name in self._plain:
+            return self.plain_rows(name, part, parts)
         return self.floats.rows(name, part, parts)
 
     def cols(self, name: str, part: int = 0, parts: int = 1) -> Any:
@@ -185,5 +271,19 @@ class GGUFShards:
         """Let go of the GGUF's mapping (every weight read was copied out) and of the float
         reader; bytes read in all: the quantized blocks plus the float tensors."""
         self._tensors.clear()
+        self._plain.clear()
         self._index = None
         return self.quantized_bytes_read + self.floats.close()
+
+
+class GGUFFloats:
+    """`GGUFShards.float_reader()`: `rows` of any tensor as float, the GGUF's plain ones
+    read from it, everything else (kept types included) from the converted copy."""
+
+    def __init__(self, shards: GGUFShards) -> None:
+        self.shards = shards
+
+    def rows(self, name: str, part: int = 0, parts: int = 1) -> torch.Tensor:
+        if self.shards.is_plain(name):
+            return self.shards.plain_rows(name, part, parts)
+        return self.shards.floats.rows(name, part, parts)

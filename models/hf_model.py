@@ -25,7 +25,7 @@ from tandem.models.awq_gptq_weights import PrequantizedShards, prequantized_shar
 from tandem.models.checkpoint_shards import CheckpointShards, checkpoint_bytes, safetensors_files
 from tandem.models.cpu_kernels import KERNEL_POOL_DTYPES, PagedDecodeKernel
 from tandem.models.fused_decoder import FusedDecoder, float32_compute, fused_linear
-from tandem.models.gguf_weights import GGUFShards, gguf_source
+from tandem.models.gguf_weights import GGUFFloats, GGUFShards, gguf_source
 from tandem.models.linear_choice import Linear, cpu_bf16_linear, cpu_f32_linear
 from tandem.models.model_dtype import (  # noqa: F401 - re-exported
     DTYPES,
@@ -174,7 +174,7 @@ def _skeleton(model_dir: Path, dtype: torch.dtype, device: torch.device) -> torc
 
 def _read_kept_modules(
     causal_lm: torch.nn.Module,
-    checkpoint: CheckpointShards,
+    checkpoint: CheckpointShards | GGUFFloats,
     rank: RankInfo,
     skip: tuple[torch.nn.Module, ...] = (),
 ) -> None:
@@ -216,7 +216,7 @@ def _read_quantized_table(
     quantized_table = one_rank and shards.is_quantized(table_name)
     quantized_head = one_rank and (quantized_table if tied else shards.is_quantized(head_name))
     skip = ((embedding,) if quantized_table else ()) + ((head,) if quantized_head else ())
-    _read_kept_modules(causal_lm, shards.floats, rank, skip)
+    _read_kept_modules(causal_lm, shards.float_reader(), rank, skip)
     table = QuantLinear(shards.quantized(table_name)) if quantized_table else None
     if table is not None:
         causal_lm.set_input_embeddings(QuantEmbedding(table, embedding.weight.dtype))

@@ -113,3 +113,30 @@ def test_release_drops_the_read_pages_and_keeps_the_data_readable() -> None:
         index.release(tensor)
     assert _mapped_rss_kb(path) < read // 10
     assert [int(t.data.view(np.uint8).sum(dtype=np.uint64)) for t in index.tensors] == sums
+
+
+def test_the_type_table_is_ggufs() -> None:
+    """`GGMLQuantizationType` and `GGML_QUANT_SIZES` (defined here so loading imports no
+    gguf) hold gguf's own names, ids and block sizes."""
+    from tandem.models.gguf_index import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    theirs = {t.name: int(t) for t in gguf.GGMLQuantizationType}
+    assert {t.name: int(t) for t in GGMLQuantizationType} == theirs
+    assert {t.name: size for t, size in GGML_QUANT_SIZES.items()} == {
+        t.name: gguf.GGML_QUANT_SIZES[t] for t in gguf.GGMLQuantizationType
+    }
+
+
+def test_an_unknown_tensor_type_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", {"token_embd": "Q8_0"})
+    index = GGUFIndex(path)
+    first = index.tensors[0]
+    data = bytearray(path.read_bytes())
+    # the first tensor's info: name (u64 length + bytes), n_dims (u32), dims (u64 each), type
+    at = data.index(first.name.encode()) + len(first.name) + 4 + 8 * len(first.shape)
+    assert int.from_bytes(data[at : at + 4], "little") == int(first.tensor_type)
+    data[at : at + 4] = (99).to_bytes(4, "little")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"{first.name}.*unknown GGML type id 99"):
+        GGUFIndex(bad)

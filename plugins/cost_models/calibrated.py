@@ -25,16 +25,18 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.core import hookimpl
 from tandem.core.plugin_manager import TandemPlugin
 from tandem.core.worker.step_shape import StepShape
-from tandem.core.worker.virtual_device import EngineTime
 from tandem.plugins.cost_models.linear_fit import FEATURES, step_features
 from tandem.schema.config import EngineConfig
+
+if TYPE_CHECKING:  # the simulated device is imported where a simulation runs
+    from tandem.core.worker.virtual_device import EngineTime
 
 FIT_VERSION = 1
 _INDEX = {name: i for i, name in enumerate(FEATURES)}
@@ -67,6 +69,8 @@ class CalibrationFit:
 
     def engine_time(self) -> EngineTime:
         """The modelled engine CPU time of the fit (`EngineTime(mode="modelled")`)."""
+        from tandem.core.worker.virtual_device import EngineTime
+
         return EngineTime("modelled", step_s=self.step_s, per_request_s=self.per_request_s)
 
     def to_json(self) -> dict[str, Any]:

@@ -29,10 +29,12 @@ import json
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import zmq
+
+if TYPE_CHECKING:  # pyzmq is imported where a connection is made, not with the plugin
+    import zmq
 
 logger = logging.getLogger("tandem.kv_disagg")
 
@@ -59,6 +61,8 @@ class BlockServer:
     """Serves a `BlockSource` on `address` (`tcp://host:port`) from a daemon thread."""
 
     def __init__(self, address: str, source: BlockSource, token: str | None) -> None:
+        import zmq
+
         self.source, self.token = source, token
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -75,6 +79,8 @@ class BlockServer:
         self._thread.join(timeout=2)
 
     def _serve(self) -> None:
+        import zmq
+
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not self._stop.is_set():
@@ -131,12 +137,16 @@ class BlockClient:
     and the socket is replaced (a REQ socket cannot send again before a reply)."""
 
     def __init__(self, address: str, token: str | None, timeout_s: float) -> None:
+        import zmq
+
         self.address, self.token, self.timeout_ms = address, token, int(timeout_s * 1000)
         self._context = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
 
     def _request(self, op: str, keys: Sequence[str]) -> tuple[dict[str, Any], list[Any]]:
         if self._socket is None:
+            import zmq
+
             self._socket = self._context.socket(zmq.REQ)
             self._socket.setsockopt(zmq.LINGER, 0)
             self._socket.connect(self.address)

@@ -11,7 +11,19 @@ these features of a `StepShape` (`FEATURES`, in this order):
   decode reads: memory-bound attention);
 - `prefill_attn`: sum over longer queries of query_len x (context_len + query_len / 2)
   (causal attention work of a prefill chunk over its cached context);
-- `num_sampled`: requests that sample (the LM head and the sampler).
+- `num_sampled`: requests that sample (the LM head and the sampler);
+- `tokens_A_B` (`TOKEN_SEGMENTS`): the part of `num_tokens` between A and B (`tokens_0_4`
+  = min(tokens, 4), `tokens_4_16` = min(max(tokens - 4, 0), 12), ..., `tokens_1024_up`),
+  which sum to `num_tokens`.
+
+`tandem simulate calibrate` fits `FIT_FEATURES`: `num_tokens` as its segments, so the
+linear layers' cost is a non-decreasing piecewise-linear curve of the step's rows, one slope
+per segment, rather than one slope for every size. A CPU's GEMM changes strategy with the
+row count (a register tile for a few rows, a packed panel path for many; see
+docs/quantization.md), and with one slope the fit priced a 16-token prefill from the slope
+of 2,048-token ones (34% above its measured time on a Sapphire Rapids CPU) and a decode of
+one request from the average of every batch size. A fit file may use any subset of
+`FEATURES` (version-1 files name `num_tokens`).
 
 Non-negative coefficients keep every prediction >= 0 and non-decreasing in every feature.
 A step without tokens costs 0 (it does not run). Units: features are counts (tokens,
@@ -27,7 +39,14 @@ import numpy as np
 
 from tandem.core.worker.step_shape import StepShape
 
-#: The feature names, in the order of `step_features` and of a fit's coefficients.
+#: Where the token segments break (tokens): the grid times steps on both sides of each.
+TOKEN_KNOTS: tuple[int, ...] = (4, 16, 64, 256, 1024)
+#: The segment features, one per interval between consecutive knots (0 to the first, the
+#: last to unbounded).
+TOKEN_SEGMENTS: tuple[str, ...] = tuple(
+    f"tokens_{low}_{high}" for low, high in zip((0, *TOKEN_KNOTS[:-1]), TOKEN_KNOTS, strict=True)
+) + (f"tokens_{TOKEN_KNOTS[-1]}_up",)
+#: Every feature name, in the order of `step_features`.
 FEATURES: tuple[str, ...] = (
     "const",
     "num_tokens",
@@ -35,7 +54,21 @@ FEATURES: tuple[str, ...] = (
     "decode_kv",
     "prefill_attn",
     "num_sampled",
+    *TOKEN_SEGMENTS,
 )
+#: The features `tandem simulate calibrate` fits (module docstring): `num_tokens` as its
+#: segments (including both would make the columns linearly dependent).
+FIT_FEATURES: tuple[str, ...] = tuple(name for name in FEATURES if name != "num_tokens")
+
+
+def token_segments(tokens: int) -> list[float]:
+    """`tokens` split over `TOKEN_SEGMENTS` (the parts sum to `tokens`)."""
+    parts, low = [], 0
+    for high in TOKEN_KNOTS:
+        parts.append(float(min(max(tokens - low, 0), high - low)))
+        low = high
+    parts.append(float(max(tokens - low, 0)))
+    return parts
 
 
 def step_features(step: StepShape) -> list[float]:
@@ -55,7 +88,13 @@ def step_features(step: StepShape) -> list[float]:
         decode_kv,
         prefill_attn,
         float(step.num_sampled),
+        *token_segments(step.num_tokens),
     ]
+
+
+def select(row: Sequence[float], names: Sequence[str]) -> list[float]:
+    """The values of `names` (a subset of `FEATURES`) from a `step_features` row."""
+    return [row[FEATURES.index(name)] for name in names]
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:

@@ -10,7 +10,8 @@ contexts, mixed steps), takes the median per grid point, and fits two non-negati
 models (`plugins/cost_models/linear_fit.py`), each weighted to minimise relative error:
 
 - device seconds per step (the executor's execute + sample) over the step-shape features
-  (`FEATURES`): the `calibrated-cost` plugin's answer;
+  (`FIT_FEATURES`: the token count as a piecewise-linear curve): the `calibrated-cost`
+  plugin's answer;
 - the engine's own CPU seconds per step (the rest of the step's wall time) as
   `step_s + per_request_s x requests`: the simulation's modelled `EngineTime`.
 
@@ -38,7 +39,7 @@ from typing import Any, TextIO
 from tandem.config_resolution import resolve_config
 from tandem.core.engine_core import EngineCore
 from tandem.plugins.cost_models.calibrated import CalibrationFit, save_fit
-from tandem.plugins.cost_models.linear_fit import FEATURES, LinearFit, fit_nonnegative
+from tandem.plugins.cost_models.linear_fit import FIT_FEATURES, LinearFit, fit_nonnegative, select
 from tandem.schema.config import EngineConfig
 from tandem.simulate.step_profile import GridProfiler, StepSample
 from tandem.stack_file import load_config
@@ -89,13 +90,16 @@ def grid_points(samples: list[StepSample]) -> list[GridPoint]:
 
 
 def fit_points(points: list[GridPoint]) -> tuple[LinearFit, LinearFit]:
-    """(device fit over `FEATURES`, engine fit over (1, requests)). ValueError when fewer
-    than two grid points were measured."""
+    """(device fit over `FIT_FEATURES`, engine fit over (1, requests)). ValueError when
+    fewer than two grid points were measured."""
     if len(points) < 2:
         raise ValueError(
             f"calibrate: only {len(points)} grid point(s) measured; give --max-seconds more"
         )
-    device = fit_nonnegative([p.features for p in points], [max(p.device_s, 1e-9) for p in points])
+    device = fit_nonnegative(
+        [select(p.features, FIT_FEATURES) for p in points],
+        [max(p.device_s, 1e-9) for p in points],
+    )
     engine = fit_nonnegative(
         [(1.0, float(p.num_reqs)) for p in points], [max(p.engine_s, 1e-6) for p in points]
     )
@@ -169,7 +173,7 @@ def calibrate(
     points = grid_points(samples)
     device, engine_fit = fit_points(points)
     fit = CalibrationFit(
-        features=FEATURES,
+        features=FIT_FEATURES,
         coef=device.coef,
         step_s=engine_fit.coef[0],
         per_request_s=engine_fit.coef[1],
@@ -206,7 +210,8 @@ def print_report(fit: CalibrationFit, points: list[GridPoint], file: TextIO) -> 
     print(f"{'grid point':<24}{'reqs':>5}{'tokens':>7}{'device ms':>11}{'fit ms':>9}"
           f"{'err':>7}{'engine ms':>11}", file=file)  # fmt: skip
     for p in points:
-        predicted = sum(c * f for c, f in zip(fit.coef, p.features, strict=True))
+        values = select(p.features, fit.features)
+        predicted = sum(c * f for c, f in zip(fit.coef, values, strict=True))
         err = (predicted - p.device_s) / p.device_s if p.device_s > 0 else 0.0
         print(
             f"{p.label[:23]:<24}{p.num_reqs:>5}{p.num_tokens:>7}{1000 * p.device_s:>11.2f}"

@@ -35,7 +35,7 @@ from tandem.core.worker.step_shape import StepShape, step_shape_of
 from tandem.schema.sampling_params import SamplingParams
 
 #: Default grid: single-request prefill chunk lengths (tokens).
-PREFILL_LENGTHS: tuple[int, ...] = (16, 64, 256, 1024, 2048)
+PREFILL_LENGTHS: tuple[int, ...] = (16, 32, 64, 128, 256, 1024, 2048)
 #: Default grid: decode batch sizes (requests).
 DECODE_BATCHES: tuple[int, ...] = (64, 32, 16, 8, 4, 2, 1)
 #: Default grid: decode contexts (tokens) with the largest batch tried at each (the cost of

@@ -19,12 +19,23 @@ from tandem.plugins.cost_models.calibrated import (
     load_fit,
     save_fit,
 )
-from tandem.plugins.cost_models.linear_fit import FEATURES, fit_nonnegative, nnls, step_features
+from tandem.plugins.cost_models.linear_fit import (
+    FEATURES,
+    FIT_FEATURES,
+    TOKEN_SEGMENTS,
+    fit_nonnegative,
+    nnls,
+    select,
+    step_features,
+    token_segments,
+)
 from tandem.schema.config import EngineConfig
 from tandem.simulate.cli import main as simulate_main
 from tandem.testing.engine import scripted_config
 
-#: Known coefficients, one per feature (seconds per unit).
+#: The features of a version-1 fit file (one slope per token), which still loads.
+V1_FEATURES = ("const", "num_tokens", "num_reqs", "decode_kv", "prefill_attn", "num_sampled")
+#: Known coefficients, one per `V1_FEATURES` entry (seconds per unit).
 TRUE_COEF = (2e-3, 1.5e-4, 4e-5, 2e-7, 3e-8, 6e-4)
 
 
@@ -42,12 +53,18 @@ def random_shapes(count: int, seed: int = 0) -> list[StepShape]:
     return shapes
 
 
-def formula(coef: tuple[float, ...], step: StepShape) -> float:
-    return sum(k * f for k, f in zip(coef, step_features(step), strict=True))
+def row(step: StepShape, names: tuple[str, ...] = V1_FEATURES) -> list[float]:
+    return select(step_features(step), names)
+
+
+def formula(
+    coef: tuple[float, ...], step: StepShape, names: tuple[str, ...] = V1_FEATURES
+) -> float:
+    return sum(k * f for k, f in zip(coef, row(step, names), strict=True))
 
 
 def write_fit(path: Path, coef: tuple[float, ...] = TRUE_COEF, **extra: object) -> Path:
-    fit = CalibrationFit(FEATURES, coef, step_s=1e-3, per_request_s=2e-5, model="tiny")
+    fit = CalibrationFit(V1_FEATURES, coef, step_s=1e-3, per_request_s=2e-5, model="tiny")
     save_fit(fit, path)
     if extra:
         data = json.loads(path.read_text()) | extra
@@ -60,7 +77,7 @@ def write_fit(path: Path, coef: tuple[float, ...] = TRUE_COEF, **extra: object) 
 
 def test_exactly_linear_timings_give_back_the_coefficients() -> None:
     shapes = random_shapes(80)
-    rows = [step_features(s) for s in shapes]
+    rows = [row(s) for s in shapes]
     seconds = [formula(TRUE_COEF, s) for s in shapes]
     fit = fit_nonnegative(rows, seconds)
     assert fit.coef == pytest.approx(TRUE_COEF, rel=1e-6)
@@ -72,9 +89,9 @@ def test_coefficients_stay_non_negative_when_the_data_wants_a_negative_one() -> 
     shapes = random_shapes(60, seed=1)
     wanted = (5e-3, 2e-4, -1e-4, 0.0, 1e-8, 1e-4)  # a negative per-request term
     seconds = [max(formula(wanted, s), 1e-4) for s in shapes]
-    fit = fit_nonnegative([step_features(s) for s in shapes], seconds)
+    fit = fit_nonnegative([row(s) for s in shapes], seconds)
     assert all(c >= 0 for c in fit.coef)
-    assert all(fit.predict(step_features(s)) >= 0 for s in shapes)
+    assert all(fit.predict(row(s)) >= 0 for s in shapes)
 
 
 def test_nnls_meets_the_optimality_conditions() -> None:
@@ -90,7 +107,33 @@ def test_nnls_meets_the_optimality_conditions() -> None:
 def test_a_step_without_tokens_has_no_features() -> None:
     assert step_features(StepShape((), ())) == [0.0] * len(FEATURES)
     mixed = StepShape((1, 1, 100), (50, 70, 20), num_sampled=3)
-    assert step_features(mixed) == [1.0, 102.0, 3.0, 120.0, 100 * (20 + 50), 3.0]
+    segments = [4.0, 12.0, 48.0, 38.0, 0.0, 0.0]  # 102 tokens over 0-4-16-64-256-1024-up
+    assert step_features(mixed) == [1.0, 102.0, 3.0, 120.0, 100 * (20 + 50), 3.0, *segments]
+
+
+def test_the_token_segments_sum_to_the_tokens_and_fill_in_order() -> None:
+    assert len(token_segments(0)) == len(TOKEN_SEGMENTS)
+    for tokens in (0, 1, 4, 5, 16, 100, 1024, 5000):
+        parts = token_segments(tokens)
+        assert sum(parts) == tokens and all(p >= 0 for p in parts)
+        full = [i for i, p in enumerate(parts) if p > 0]
+        assert full == list(range(len(full)))  # a segment fills only after the ones below
+
+
+def test_a_piecewise_token_curve_is_recovered_by_the_segment_fit() -> None:
+    """A linear-layer cost whose slope per token falls past 4 rows and rises past 256 (a
+    register tile, then a panel path) is what one slope cannot follow and the segments can:
+    the fit over `FIT_FEATURES` gives back the curve's coefficients exactly."""
+    slopes = dict(zip(TOKEN_SEGMENTS, (3e-3, 1e-3, 1e-3, 1.5e-3, 2.5e-3, 2.5e-3), strict=True))
+    true = {"const": 1e-2, "num_reqs": 1e-4, "decode_kv": 5e-6, "prefill_attn": 1e-7}
+    true |= {"num_sampled": 0.0, **slopes}
+    coef = tuple(true[name] for name in FIT_FEATURES)
+    shapes = random_shapes(120, seed=4)
+    seconds = [formula(coef, s, FIT_FEATURES) for s in shapes]
+    fit = fit_nonnegative([row(s, FIT_FEATURES) for s in shapes], seconds)
+    assert fit.coef == pytest.approx(coef, rel=1e-6, abs=1e-12)
+    one_slope = fit_nonnegative([row(s) for s in shapes], seconds)
+    assert one_slope.median_abs_rel_error > 100 * fit.median_abs_rel_error
 
 
 # The plugin ----------------------------------------------------------------------------
@@ -179,7 +222,7 @@ def test_a_short_calibration_of_a_tiny_model_writes_a_usable_fit(
     assert simulate_main([*argv, "--repeats", "2", "--out", str(out), "--quiet"]) == 0
     assert "r2" in capsys.readouterr().out
     fit = load_fit(out)
-    assert fit.features == FEATURES and fit.samples >= 2 and all(c >= 0 for c in fit.coef)
+    assert fit.features == FIT_FEATURES and fit.samples >= 2 and all(c >= 0 for c in fit.coef)
     assert fit.stack["executor"] and fit.stack["max_num_batched_tokens"] == 512
     assert fit.extra["points"] and fit.step_s >= 0 and fit.per_request_s >= 0
     prefills = [fit.device_seconds(StepShape((n,), (0,), 1)) for n in (16, 64, 256, 500)]

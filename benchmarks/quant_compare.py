@@ -22,7 +22,10 @@ after the run (what it holds while serving). tandem's KV pool holds what llama.c
 holds: every sequence of the run at its full length (`cache.num_kv_blocks`; the default 4 GiB
 pool is committed page by page as blocks are first written, so its resident share would
 depend on how many requests ran before). The memory target is then checked as `model_mb`
-(peak minus the RSS before the model) against `allowed_mb` (1.5 x the GGUF + the pool).
+(peak minus the RSS before the model) against `allowed_mb` (1.5 x the GGUF + the pool);
+`private_after_mb` is the growth of the private anonymous memory (`RssAnon`) from before
+the model to the end of the run: `model_mb` without the pages of shared libraries' code
+the run touched (`libtorch_cpu.so`, the tokenizer's library), and not a peak.
 
     python benchmarks/quant_compare.py [--threads 2] [--repeats 3] [--engines ...]
 
@@ -79,9 +82,11 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def current_rss_mb() -> float:
+def current_rss_mb(field: str = "VmRSS") -> float:
+    """A `/proc/self/status` memory field in MB: `VmRSS` (all resident pages) or `RssAnon`
+    (private anonymous pages: heap and allocations, not shared libraries' code)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return 0.0
 
@@ -93,6 +98,7 @@ def tandem_child(mode: str, run: str, workload: dict[str, Any], threads: int) ->
     from tandem import LLM, SamplingParams
 
     before_model_mb = current_rss_mb()
+    before_model_anon_mb = current_rss_mb("RssAnon")
     settings: dict[str, Any] = {"quantization": mode}
     if mode.startswith("int4-g"):
         settings = {"quantization": "int4", "quantization_group_size": int(mode[6:])}
@@ -148,6 +154,7 @@ def tandem_child(mode: str, run: str, workload: dict[str, Any], threads: int) ->
         result["rss_after_mb"] = current_rss_mb()
         result["kv_pool_mb"] = kv_pool_mb
         result["model_mb"] = result["peak_rss_mb"] - before_model_mb
+        result["private_after_mb"] = current_rss_mb("RssAnon") - before_model_anon_mb
         return result
     finally:
         llm.engine.shutdown()
@@ -183,6 +190,7 @@ def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]], gguf_mb: float) 
             entry[f"{run}_peak_rss_mb"] = max(r["peak_rss_mb"] for r in results)
             if "model_mb" in results[0]:
                 entry[f"{run}_model_mb"] = max(r["model_mb"] for r in results)
+                entry[f"{run}_private_after_mb"] = max(r["private_after_mb"] for r in results)
                 pool = max(r["kv_pool_mb"] for r in results)
                 entry[f"{run}_allowed_mb"] = 1.5 * gguf_mb + pool
         summary[engine] = entry

@@ -11,9 +11,9 @@ types that were dequantized.
 
 Names: `gguf_name_map` gives each HF parameter's GGUF name (a table for the Llama family,
 gguf's own `get_tensor_name_map` for other architectures). Llama's Q and K rows are stored
-permuted in GGUF (llama.cpp's rotary layout); they are put back in HF order exactly as transformers' GGUF loader does, a permutation of
-whole rows (codes, scales and mins alike), so the kept weights dequantize to the converted
-copy's float32 weights bit for bit.
+permuted in GGUF (llama.cpp's rotary layout); they are put back in HF order exactly as
+transformers' GGUF loader does, a permutation of whole rows (codes, scales and mins
+alike), so the kept weights dequantize to the converted copy's float32 weights bit for bit.
 
 Tensor parallelism: a rank's row block (`rows`) is cut from the raw blocks before they are
 unpacked (only its share is copied out of the file); a column block (`cols`, row-parallel
@@ -47,7 +47,7 @@ _PERMUTED_QK = ("llama",)
 #: GGUF names of the Llama-family modules (HF module path -> GGUF tensor base name), as
 #: gguf's `get_tensor_name_map` gives them for these architectures. Read from this table,
 #: loading imports no gguf: its package pulls in sentencepiece and numpy's typing (about
-#: 2.7 MB of resident memory). `tests/model/test_gguf_weights.py` holds it to gguf's map.
+#: 2.7 MB of resident memory). `tests/model/test_gguf_name_map.py` holds it to gguf's map.
 LLAMA_FAMILY_ARCHS = ("llama", "qwen2", "qwen3")
 _MODEL_NAMES = {
     "model.embed_tokens": "token_embd",

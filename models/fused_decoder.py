@@ -127,7 +127,11 @@ def _linear(
     on CPU -> the panel kernel (`cpu_f32_linear`) where it builds; else a `PackedLinear`
     owning its weight."""
     if isinstance(weight, QuantizedWeight):
-        return QuantLinear(weight, bias)
+        linear = QuantLinear(weight, bias)
+        # Packing leaves a few MB of freed temporaries per linear in glibc's heap; handed
+        # back here, they do not pile up over a layer's seven weights into the load's peak.
+        return_freed_memory()
+        return linear
     if quant is not None and quant.at_load and weight.device.type == "cpu":
         return QuantLinear(quant.quantize(weight), bias)
     if bf16_cpu:

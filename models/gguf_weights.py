@@ -197,7 +197,7 @@ class GGUFShards:
         self.quantized_bytes_read += int(data.nbytes)
         weight = from_gguf_blocks(tensor.tensor_type.name, data, (int(data.shape[0]), columns))
         if self._index is not None:  # copied out: the file's pages need not stay resident
-            self._index.release(tensor)
+            self._index.drop_resident_pages()
         return weight
 
     def _permuted_heads(self, name: str) -> int | None:

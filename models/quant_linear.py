@@ -78,7 +78,7 @@ def _panels(per_row: torch.Tensor) -> torch.Tensor:
 
 
 #: Rows packed at a time (a multiple of the panel width): bounds the temporaries of
-#: `pack_codes` to a few MB whatever the weight's size (a 49k-row table made ~270 MB).
+#: `pack_codes` (about 3 bytes a code) whatever the weight's size.
 PACK_BLOCK_ROWS = 1024
 
 
@@ -98,22 +98,20 @@ def pack_codes(weight: QuantizedWeight) -> torch.Tensor:
 
 
 def _pack_block(rows: torch.Tensor, bits: int) -> torch.Tensor:
-    """`pack_codes` of a block of rows (`[rows, in]` codes)."""
+    """`pack_codes` of a block of rows (`[rows, in]` uint8 codes of 4 or 8 bits), in bytes
+    only: a word's four bytes are its codes 0-3 (8 bits) or the nibble pairs (2b, 2b + 1)
+    (4 bits, code 2b low), little-endian, so the `[..., 4]` uint8 array viewed as int32 is
+    the word."""
     per = 32 // bits
     codes = _panels(rows)  # [panels, in, 16]
     panels, inn, _ = codes.shape
     words = -(-inn // per)
     padded = codes.new_zeros((panels, words * per, PANEL))
     padded[:, :inn] = codes
-    lanes = padded.view(panels, words, per, PANEL)
-    packed = torch.zeros((panels, words, PANEL), dtype=torch.int32)
-    for j in range(per):  # one code position at a time: temporaries of 4 bytes per word
-        code = lanes[:, :, j, :].to(torch.int32)
-        if bits * (j + 1) == 32:  # the word's last code holds bit 31: shift its
-            half = 1 << (bits - 1)  # two's-complement value instead of overflowing
-            code = torch.where(code >= half, code - 2 * half, code)
-        packed |= code << (bits * j)
-    return packed
+    del codes
+    lanes = padded.view(panels, words, per, PANEL).transpose(2, 3)  # [p, w, 16, per]
+    word_bytes = lanes[..., 0::2] | (lanes[..., 1::2] << 4) if bits == 4 else lanes
+    return word_bytes.contiguous().view(torch.int32).view(panels, words, PANEL)
 
 
 def unpack_codes(words: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:

@@ -12,7 +12,8 @@ packing, stays resident.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -54,13 +55,22 @@ def return_freed_memory() -> None:
     keeps much of that freed memory in its heap (its mmap threshold grows after large frees),
     so a process that never holds the float model whole would still show its size as
     resident. Called once after the model is built."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, or None where the C library has none. Looked up once:
+    `ctypes.util.find_library` runs `ldconfig -p` in a subprocess each time."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     if name is None:
-        return
+        return None
     try:
-        ctypes.CDLL(name).malloc_trim(0)
+        return ctypes.CDLL(name).malloc_trim
     except (OSError, AttributeError):  # not glibc
-        return
+        return None

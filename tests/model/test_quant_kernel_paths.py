@@ -84,3 +84,30 @@ def test_fp16_scales_halve_the_scale_bytes() -> None:
     assert full.nbytes - half.nbytes == groups_bytes * 2  # 4 bytes -> 2 bytes each
     rows = torch.tensor([0, 17, 63])
     assert torch.equal(half.rows(rows), weight.dequantize()[rows])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_words_hold_each_code_at_its_bit_position(bits: int) -> None:
+    """`pack_codes` against its contract written out with Python integers: word (p, w, col)
+    holds code j of column p * 16 + col, input w * c + j, in bits [bits * j, bits * (j + 1))
+    (the top code's high bit is bit 31: int32 holds the uint32 bits); rows and inputs past
+    the end are zero. 37 rows and 75 inputs: a partial panel and a partial word."""
+    from tandem.models.quant_linear import PANEL, pack_codes
+
+    generator = torch.Generator().manual_seed(bits)
+    out, inn, per = 37, 75 if bits == 8 else 74, 32 // bits
+    codes = torch.randint(0, 1 << bits, (out, inn), generator=generator, dtype=torch.uint8)
+    codes[0, :per] = (1 << bits) - 1  # a word with bit 31 set
+    scales = torch.ones(out, 1)
+    packed = pack_codes(QuantizedWeight(codes, scales, None, bits, inn, "test"))
+    words = -(-inn // per)
+    assert packed.shape == (-(-out // PANEL), words, PANEL)
+    for p in range(packed.shape[0]):
+        for w in range(words):
+            for col in range(PANEL):
+                row, expected = p * PANEL + col, 0
+                for j in range(per):
+                    i = w * per + j
+                    if row < out and i < inn:
+                        expected |= int(codes[row, i]) << (bits * j)
+                assert int(packed[p, w, col]) & 0xFFFFFFFF == expected

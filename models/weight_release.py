@@ -12,10 +12,11 @@ packing, stays resident.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
+
+from tandem.core.worker.host_heap import glibc_function
 
 
 def _meta_parameter(param: torch.Tensor) -> torch.nn.Parameter:
@@ -54,23 +55,8 @@ def return_freed_memory() -> None:
     Building quantized layers reads, converts and drops float tensors layer by layer; glibc
     keeps much of that freed memory in its heap (its mmap threshold grows after large frees),
     so a process that never holds the float model whole would still show its size as
-    resident. Called once after the model is built."""
-    trim = _malloc_trim()
+    resident. Called after each layer and each quantized linear is built, and after the
+    tokenizer loads."""
+    trim = glibc_function("malloc_trim")
     if trim is not None:
         trim(0)
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's `malloc_trim`, or None where the C library has none. Looked up once:
-    `ctypes.util.find_library` runs `ldconfig -p` in a subprocess each time."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        return ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None

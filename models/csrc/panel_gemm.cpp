@@ -452,7 +452,11 @@ void gemm(const float* x, int64_t ldx, const void* packed, const float* bias, fl
 // hold 8 rows' partial sums) a tile dequantizes each k row of 16 weights in registers for
 // its rows' FMAs (two accumulator sets, even and odd k). Above, each item dequantizes a
 // panel once into a float32 panel (thread-local) and runs the float32 tiles over its rows:
-// the dequantization is amortised over the rows. (Zen 4, SmolLM2's Q4_1 layers, 2 threads:
+// the dequantization is amortised over the rows. With AVX-512, above kQDirectBlockedRows,
+// kWidePanels panels are dequantized side by side for the wide float32 tile (x packed in
+// six-row tiles once per call, as the float32 GEMM does): at 64 rows the narrow 8-wide
+// tile had made Q4_1 layers slower than oneDNN's float32 GEMM (SmolLM2, 64 sequences,
+// 2 threads, Sapphire Rapids: 0.88x float32's tokens/s before, 1.05-1.10x after). (Zen 4, SmolLM2's Q4_1 layers, 2 threads:
 // a decode step of 8 rows took 33 ms through the float32 panel, 21-24 ms in one 8-row
 // tile; `benchmarks/batch_decode.py`.)
 
@@ -496,6 +500,9 @@ struct QGemm {
   // AVX-512 direct path with mins: xsums[row * groups() + g] = sum of x[row] over group g
   // (q_run fills it; null elsewhere).
   const float* xsums = nullptr;
+  // AVX-512, more rows than the direct tile takes: x's full six-row tiles packed k-major
+  // for the wide float32 tile (`pack_x_tiles`); null elsewhere.
+  const float* xt = nullptr;
   int64_t lane_codes() const { return 32 / bits; }
   int64_t words() const { return (k + lane_codes() - 1) / lane_codes(); }
   int64_t groups() const { return (k + group - 1) / group; }
@@ -805,8 +812,30 @@ void q_run_item(const QGemm& g, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
   }
 #endif
   thread_local std::vector<float> panel;
-  panel.resize(static_cast<size_t>(g.k * kPanel));
-  for (int64_t p = p0; p < p1; ++p) {
+  int64_t p = p0;
+#if TANDEM_PANEL_AVX512
+  if (!portable && g.xt != nullptr) {
+    // kWidePanels panels dequantized side by side (the float32 panel layout), then the
+    // wide tile over the full six-row tiles and the narrow one over the rest: one float32
+    // FMA chain over k per element, as the narrow tile computes it.
+    const int64_t stride = g.k * kPanel;
+    panel.resize(static_cast<size_t>(kWidePanels * stride));
+    const int64_t full_end = r0 + (r1 - r0) / kTileRows * kTileRows;
+    for (; p + kWidePanels <= p1; p += kWidePanels) {
+      for (int64_t q = 0; q < kWidePanels; ++q)
+        q_dequant_panel(g, p + q, panel.data() + q * stride, portable);
+      const int64_t n0 = p * kPanel;
+      Gemm<F32> wide{g.x,  g.ldx, panel.data(), g.bias != nullptr ? g.bias + n0 : nullptr,
+                     g.y + n0, g.ldy, g.m, g.n - n0, g.k};
+      wide.xt = g.xt;
+      for (int64_t m = r0; m < full_end; m += kTileRows) tile_f32_wide(wide, m, 0, 0, g.k, true);
+      for (int64_t q = 0; full_end < r1 && q < kWidePanels; ++q)
+        pick_tile<F32>(r1 - full_end, portable)(wide, full_end, q, 0, g.k, true);
+    }
+  }
+#endif
+  panel.resize(std::max(panel.size(), static_cast<size_t>(g.k * kPanel)));
+  for (; p < p1; ++p) {
     q_dequant_panel(g, p, panel.data(), portable);
     const int64_t n0 = p * kPanel;
     const Gemm<F32> one{g.x,  g.ldx, panel.data(), g.bias != nullptr ? g.bias + n0 : nullptr,
@@ -835,8 +864,22 @@ void q_run(QGemm g, int threads, bool portable) {
 #endif
   const int64_t want = std::max(threads, 1);
   const int64_t tiles = (g.m + kTileRows - 1) / kTileRows;
-  const int64_t row_parts = std::min(tiles, (want + panels - 1) / panels);
-  const int64_t cols = want == 1 ? 1 : std::min(panels, want * kChunksPerThread);
+  // Chunks of whole wide groups where the wide tile runs (as `run`)
+  int64_t unit = 1;
+#if TANDEM_PANEL_AVX512
+  thread_local std::vector<float> x_tiles;
+  const int64_t full_tiles = g.m / kTileRows;
+  if (!portable && g.m > kQDirectBlockedRows && panels >= kWidePanels) {
+    x_tiles.resize(static_cast<size_t>(full_tiles * kTileRows * g.k));
+    pack_x_tiles(g.x, g.ldx, full_tiles, g.k, x_tiles.data(),
+                 static_cast<int>(std::min(want, full_tiles)));
+    g.xt = x_tiles.data();
+    unit = kWidePanels;
+  }
+#endif
+  const int64_t groups = (panels + unit - 1) / unit;
+  const int64_t row_parts = std::min(tiles, (want + groups - 1) / groups);
+  const int64_t cols = want == 1 ? 1 : std::min(groups, want * kChunksPerThread);
   const int64_t items = cols * row_parts;
   const int workers = static_cast<int>(std::min(items, want));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(workers) if (workers > 1)
@@ -845,8 +888,8 @@ void q_run(QGemm g, int threads, bool portable) {
     const int64_t r = item / cols;
     const int64_t r0 = std::min(g.m, tiles * r / row_parts * kTileRows);
     const int64_t r1 = std::min(g.m, tiles * (r + 1) / row_parts * kTileRows);
-    const int64_t p0 = panels * c / cols;
-    const int64_t p1 = panels * (c + 1) / cols;
+    const int64_t p0 = std::min(panels, groups * c / cols * unit);
+    const int64_t p1 = std::min(panels, groups * (c + 1) / cols * unit);
     q_run_item(g, r0, r1, p0, p1, portable);
   }
 }

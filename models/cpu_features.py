@@ -29,6 +29,20 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     return frozenset()
 
 
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The first processor's `vendor_id` in `/proc/cpuinfo` (`GenuineIntel`,
+    `AuthenticAMD`, ...; "" where there is none)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ""
+    for line in cpuinfo.splitlines():
+        if line.startswith("vendor_id") and ":" in line:
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
 def has_bf16_units(flags: frozenset[str] | None = None) -> bool:
     """True when the CPU computes bfloat16 natively (AVX512-BF16 or AMX)."""
     return any(f in (cpu_flags() if flags is None else flags) for f in BF16_FLAGS)

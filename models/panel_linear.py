@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from tandem.models.cpu_kernels import load_library
 
-PANEL_GEMM_ABI = 4
+PANEL_GEMM_ABI = 5
 #: Output columns per packed panel.
 PANEL = 16
 
@@ -50,6 +50,9 @@ class PanelGemmKernel:
     bf16_pack_bf16: ctypes._CFuncPtr  # type: ignore[name-defined]
     q_gemm: ctypes._CFuncPtr  # type: ignore[name-defined]
     q_dequant_panel: ctypes._CFuncPtr  # type: ignore[name-defined]
+    #: `q_gemm_set_wide(0 | 1) -> previous`: products above 32 rows on the wide AVX-512
+    #: tile or the narrow one (process-wide; `quant_linear.choose_wide_tile`).
+    q_gemm_set_wide: ctypes._CFuncPtr  # type: ignore[name-defined]
     vectorized: bool
 
 
@@ -72,6 +75,9 @@ def _bind(library: ctypes.CDLL) -> PanelGemmKernel:
         fn = getattr(library, name)
         fn.argtypes, fn.restype = args, None
         functions[name.removeprefix("tandem_")] = fn
+    set_wide = library.tandem_q_gemm_set_wide
+    set_wide.argtypes, set_wide.restype = [i32], i32
+    functions["q_gemm_set_wide"] = set_wide
     return PanelGemmKernel(**functions, vectorized=bool(library.tandem_panel_gemm_vectorized()))
 
 

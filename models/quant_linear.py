@@ -5,7 +5,8 @@
 GEMM kernel's quantized path (`csrc/panel_gemm.cpp`, "Quantized weights"): up to 4 rows
 (AVX2) or 32 rows (AVX-512, tiles of 8) each 16-weight k row is widened in registers;
 above, each panel is dequantized once into a float32 panel and the float32 register tiles
-run over all rows.
+run over all rows: with AVX-512 the wide 6 x 48 tile over three panels, or the narrow one
+where that measured faster (`choose_wide_tile`).
 
 Contract: every weight the kernel multiplies is bit for bit `weight.dequantize()` (see
 `quantized_weight`), so `layer(x)` equals `x @ dense_weight().T + bias` up to float32
@@ -25,11 +26,13 @@ Q6_K 1.5 (8-bit codes, groups of 16).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from tandem.models.cpu_features import cpu_flags, cpu_vendor
 from tandem.models.panel_linear import PANEL, PanelGemmKernel, panel_gemm_kernel
 from tandem.models.quantized_weight import QuantizedWeight, quantize_int4, quantize_int8
 
@@ -129,15 +132,54 @@ def _fp16_exact(values: torch.Tensor) -> bool:
     return bool(torch.equal(values.half().float(), values))
 
 
+#: `TANDEM_Q_WIDE_TILE=1` / `0` forces the choice (A/B runs); unset: `wide_tile_preferred`.
+WIDE_TILE_ENV = "TANDEM_Q_WIDE_TILE"
+_wide_tile: bool | None = None
+
+
+def wide_tile_preferred(flags: frozenset[str], vendor: str) -> bool:
+    """Whether products above 32 rows should take the wide AVX-512 tile on a CPU with these
+    flags and `vendor_id`: on an Intel Xeon (Sapphire Rapids, two 512-bit FMA units) it took
+    SmolLM2's Q4_1 layers at 64 sequences from 0.88x to 1.06x float32's tokens/s; on an AMD
+    EPYC (Zen 4, which runs a zmm FMA as two 256-bit halves) it took 1.10-1.40x oneDNN's
+    time at 64-2048 rows against the narrow tile's 1.00-1.20x. No AVX-512: no wide tile.
+    Measured on those two CPUs only; a timing at load was too noisy on a busy 2-core
+    machine (the choice flipped between runs)."""
+    return "avx512f" in flags and vendor != "AuthenticAMD"
+
+
+def choose_wide_tile(kernel: PanelGemmKernel) -> bool:
+    """Set the kernel's process-wide choice for products above 32 rows, once per process:
+    `TANDEM_Q_WIDE_TILE` when set, else `wide_tile_preferred` on this CPU. Returns it."""
+    global _wide_tile
+    if _wide_tile is None:
+        forced = os.environ.get(WIDE_TILE_ENV, "").strip()
+        if forced in ("0", "1"):
+            _wide_tile = forced == "1"
+        else:
+            _wide_tile = wide_tile_preferred(cpu_flags(), cpu_vendor())
+        kernel.q_gemm_set_wide(int(_wide_tile))
+    return _wide_tile
+
+
 class QuantLinear:
     """A float32-in, float32-out linear over a `QuantizedWeight` (see the module
-    docstring). `kind` names the format (`"Q4_1"`, `"int8"`, ...)."""
+    docstring). `kind` names the format (`"Q4_1"`, `"int8"`, ...). `kernel`: the panel
+    GEMM kernel (default: the process's, on which the first layer sets the wide-tile
+    choice, `choose_wide_tile`)."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None = None,
+        kernel: PanelGemmKernel | None = None,
+    ) -> None:
         self.out_features, self.in_features = weight.shape
         self.bits, self.group_size, self.kind = weight.bits, weight.group_size, weight.kind
         self.bias = bias.detach().float().contiguous().clone() if bias is not None else None
-        self._kernel: PanelGemmKernel | None = panel_gemm_kernel()
+        if kernel is None and (kernel := panel_gemm_kernel()) is not None:
+            choose_wide_tile(kernel)
+        self._kernel: PanelGemmKernel | None = kernel
         self.codes: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
         self.mins: torch.Tensor | None = None

@@ -26,6 +26,7 @@
 // k = 576 and 1536, from the partial sums' round trips).
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -452,19 +453,25 @@ void gemm(const float* x, int64_t ldx, const void* packed, const float* bias, fl
 // hold 8 rows' partial sums) a tile dequantizes each k row of 16 weights in registers for
 // its rows' FMAs (two accumulator sets, even and odd k). Above, each item dequantizes a
 // panel once into a float32 panel (thread-local) and runs the float32 tiles over its rows:
-// the dequantization is amortised over the rows. With AVX-512, above kQDirectBlockedRows,
-// kWidePanels panels are dequantized side by side for the wide float32 tile (x packed in
-// six-row tiles once per call, as the float32 GEMM does): at 64 rows the narrow 8-wide
-// tile had made Q4_1 layers slower than oneDNN's float32 GEMM (SmolLM2, 64 sequences,
-// 2 threads, Sapphire Rapids: 0.88x float32's tokens/s before, 1.05-1.10x after). (Zen 4, SmolLM2's Q4_1 layers, 2 threads:
+// the dequantization is amortised over the rows. (Zen 4, SmolLM2's Q4_1 layers, 2 threads:
 // a decode step of 8 rows took 33 ms through the float32 panel, 21-24 ms in one 8-row
-// tile; `benchmarks/batch_decode.py`.)
+// tile; `benchmarks/batch_decode.py`.) With AVX-512, above kQDirectBlockedRows and where
+// `g_q_wide` is set, kWidePanels panels are dequantized side by side for the wide float32
+// tile instead (x packed in six-row tiles once per call, as the float32 GEMM does): on a
+// Sapphire Rapids Xeon the narrow 8-wide tile had made Q4_1 layers at 64 rows slower than
+// oneDNN's float32 GEMM (SmolLM2, 64 sequences, 2 threads: 0.88x float32's tokens/s, 1.06x
+// with the wide tile); on Zen 4 the wide tile took 1.10-1.40x oneDNN's time against the
+// narrow one's 1.00-1.20x.
 
 constexpr int64_t kQDirectRows = 4;
 constexpr int64_t kQDirectRows512 = 8;
 // Up to this many rows an item runs the AVX-512 direct tile in blocks of kQDirectRows512
 // rows per panel (the panel's codes stay in L1 between blocks).
 constexpr int64_t kQDirectBlockedRows = 32;
+// Whether products above kQDirectBlockedRows take the wide tile (AVX-512 builds): set once
+// per process by the caller (`tandem_q_gemm_set_wide`, `quant_linear.choose_wide_tile`); on
+// a CPU that runs a zmm FMA as two halves (Zen 4) the narrow tile was the faster.
+std::atomic<int> g_q_wide{1};
 
 // fp16 bit patterns -> float32 (exact), `count` a multiple of 16 or not.
 void half_to_float(const uint16_t* in, float* out, int64_t count) {
@@ -869,7 +876,8 @@ void q_run(QGemm g, int threads, bool portable) {
 #if TANDEM_PANEL_AVX512
   thread_local std::vector<float> x_tiles;
   const int64_t full_tiles = g.m / kTileRows;
-  if (!portable && g.m > kQDirectBlockedRows && panels >= kWidePanels) {
+  if (!portable && g.m > kQDirectBlockedRows && panels >= kWidePanels &&
+      g_q_wide.load(std::memory_order_relaxed) != 0) {
     x_tiles.resize(static_cast<size_t>(full_tiles * kTileRows * g.k));
     pack_x_tiles(g.x, g.ldx, full_tiles, g.k, x_tiles.data(),
                  static_cast<int>(std::min(want, full_tiles)));
@@ -896,7 +904,11 @@ void q_run(QGemm g, int threads, bool portable) {
 
 }  // namespace
 
-extern "C" int tandem_panel_gemm_abi_version() { return 4; }
+extern "C" int tandem_panel_gemm_abi_version() { return 5; }
+
+// Products of more than 32 rows on the wide tile (1, the default) or the narrow one (0);
+// returns the previous setting. Process-wide; a no-op without AVX-512.
+extern "C" int tandem_q_gemm_set_wide(int wide) { return g_q_wide.exchange(wide != 0 ? 1 : 0); }
 
 // 1 when the AVX2/FMA tile is compiled in, 0 when only the portable loops are.
 extern "C" int tandem_panel_gemm_vectorized() { return TANDEM_PANEL_AVX2; }

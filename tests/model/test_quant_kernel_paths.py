@@ -111,3 +111,66 @@ def test_packed_words_hold_each_code_at_its_bit_position(bits: int) -> None:
                     if row < out and i < inn:
                         expected |= int(codes[row, i]) << (bits * j)
                 assert int(packed[p, w, col]) & 0xFFFFFFFF == expected
+
+
+@pytest.mark.parametrize("wide", [True, False])
+def test_both_tiles_above_32_rows_match_the_dequantized_product(wide: bool) -> None:
+    """Products of more than 32 rows on the wide AVX-512 tile and on the narrow one (the
+    process-wide switch `choose_wide_tile` sets; a no-op without AVX-512): 3, 7 and 1
+    panels, full and partial six-row tiles, fp16 and float32 scales."""
+    from tandem.models.panel_linear import panel_gemm_kernel
+
+    kernel = panel_gemm_kernel()
+    assert kernel is not None
+    previous = kernel.q_gemm_set_wide(int(wide))
+    try:
+        for n, k in [(40, 64), (100, 576), (16, 200)]:
+            for weight in (_weight("int4-g32", n, k), _float32_scales(_weight("int8-g32", n, k))):
+                bias = torch.randn(n)
+                layer = QuantLinear(weight, bias)
+                dense = weight.dequantize().double()
+                for rows in (33, 36, 64, 197):
+                    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+                    reference = x.double() @ dense.T + bias.double()
+                    y = layer.run(x).double()
+                    error = (y - reference).abs().max() / reference.abs().max()
+                    assert error < 1e-5, (n, k, rows, float(error))
+    finally:
+        kernel.q_gemm_set_wide(previous)
+
+
+@pytest.mark.parametrize("forced", ["0", "1"])
+def test_the_wide_tile_choice_follows_the_environment(
+    forced: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`TANDEM_Q_WIDE_TILE` decides without timing, and the kernel's switch is set to it."""
+    from tandem.models import quant_linear
+    from tandem.models.panel_linear import panel_gemm_kernel
+
+    kernel = panel_gemm_kernel()
+    assert kernel is not None
+    before = kernel.q_gemm_set_wide(1)
+    kernel.q_gemm_set_wide(before)
+    monkeypatch.setenv(quant_linear.WIDE_TILE_ENV, forced)
+    monkeypatch.setattr(quant_linear, "_wide_tile", None)
+    try:
+        assert quant_linear.choose_wide_tile(kernel) is (forced == "1")
+        assert kernel.q_gemm_set_wide(before) == int(forced)
+    finally:
+        kernel.q_gemm_set_wide(before)
+
+
+def test_the_wide_tile_is_preferred_on_avx512_except_amd() -> None:
+    """The measured rule: Intel (and other) AVX-512 CPUs take the wide tile, AMD's (Zen 4
+    measured slower with it) and CPUs without AVX-512 the narrow one."""
+    from tandem.models.cpu_features import cpu_vendor
+    from tandem.models.quant_linear import wide_tile_preferred
+
+    avx512 = frozenset({"avx2", "fma", "avx512f", "avx512bw"})
+    assert wide_tile_preferred(avx512, "GenuineIntel")
+    assert not wide_tile_preferred(avx512, "AuthenticAMD")
+    assert not wide_tile_preferred(frozenset({"avx2", "fma"}), "GenuineIntel")
+    assert cpu_vendor("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t: fpu\n") == (
+        "AuthenticAMD"
+    )
+    assert cpu_vendor("processor\t: 0\n") == ""

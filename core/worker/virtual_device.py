@@ -59,20 +59,25 @@ class EngineTime:
     """How the engine's CPU time per step is charged to the virtual clock.
 
     `mode`: "modelled" (`step_s` + `per_request_s` x scheduled requests, per step) or
-    "measured" (wall seconds between device calls x `scale`)."""
+    "measured" (wall seconds between device calls x `scale`). `output_s` (either mode):
+    how long a step's outputs take to reach the client after the step ends (a serving
+    front end's hop: the engine-core process to the API process, output processing); it
+    delays the tokens and finishes the report sees (and a closed-loop client's next
+    request), not the engine's next step."""
 
     mode: str = "modelled"
     step_s: float = 0.0
     per_request_s: float = 0.0
     scale: float = 1.0
+    output_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("modelled", "measured"):
             raise ValueError(
                 f"engine_time.mode: expected 'modelled' or 'measured', got {self.mode!r}"
             )
-        if min(self.step_s, self.per_request_s, self.scale) < 0:
-            raise ValueError("engine_time: step_s, per_request_s and scale must be >= 0")
+        if min(self.step_s, self.per_request_s, self.scale, self.output_s) < 0:
+            raise ValueError("engine_time: step_s, per_request_s, scale and output_s must be >= 0")
 
 
 def roofline_seconds(cost: SimulatedDeviceConfig, step: StepShape) -> float:

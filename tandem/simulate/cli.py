@@ -54,10 +54,16 @@ DEFAULT_ENGINE_TIME = {"step_s": 5e-4, "per_request_s": 2e-5}
 
 
 def parse_engine_time(text: str) -> EngineTime:
-    """`modelled[:step=S,per_request=S]` (unset keys: `DEFAULT_ENGINE_TIME`) or
-    `measured[:scale=X]`."""
+    """`modelled[:step=S,per_request=S,output=S]` (unset keys: `DEFAULT_ENGINE_TIME`) or
+    `measured[:scale=X,output=S]`; `output`: `EngineTime.output_s`, the seconds from a
+    step's end to the client seeing its tokens (default 0)."""
     mode, _, rest = text.partition(":")
-    keys = {"step": "step_s", "per_request": "per_request_s", "scale": "scale"}
+    keys = {
+        "step": "step_s",
+        "per_request": "per_request_s",
+        "scale": "scale",
+        "output": "output_s",
+    }
     values: dict[str, float] = dict(DEFAULT_ENGINE_TIME) if mode == "modelled" else {}
     for item in filter(None, rest.split(",")):
         key, _, raw = item.partition("=")
@@ -182,8 +188,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-time",
         default="modelled",
-        help="modelled[:step=S,per_request=S] (the default; unset keys: step=0.0005, "
-        "per_request=0.00002) or measured[:scale=X]",
+        help="modelled[:step=S,per_request=S,output=S] (the default; unset keys: "
+        "step=0.0005, per_request=0.00002, output=0) or measured[:scale=X,output=S]; "
+        "output: seconds from a step's end to the client seeing its tokens",
     )
     p.add_argument(
         "--inline-device",

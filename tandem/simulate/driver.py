@@ -9,7 +9,8 @@ the step's future). When the engine has nothing to run the clock jumps to the ne
 arrival; when it has work but nothing runnable (every request held back by a plugin) it
 jumps to the plugins' next announced event, e.g. a grammar compile finishing on the
 virtual clock (`plugin_events`), or to an earlier arrival. Output tokens are stamped with
-the clock when `step_fn` returns them, as a front end would see them.
+the clock when `step_fn` returns them, plus `EngineTime.output_s` (the front end's hop to
+the client, 0 by default), as a client would see them.
 
 Bounded: at most `max_steps` engine steps (an error past it), whatever the traffic.
 """
@@ -82,8 +83,12 @@ def simulation_config(config: EngineConfig) -> EngineConfig:
 class _Recorder:
     """Stamps timelines from the executor's step callback and the engine's outputs."""
 
-    def __init__(self, clock: VirtualClock, keep_steps: bool, sample_every_s: float) -> None:
+    def __init__(
+        self, clock: VirtualClock, keep_steps: bool, sample_every_s: float, output_s: float = 0.0
+    ) -> None:
         self.clock = clock
+        #: Seconds from a step's end to the client seeing its outputs (`EngineTime.output_s`).
+        self.output_s = output_s
         self.timelines: dict[str, RequestTimeline] = {}
         self.steps: list[StepRecord] | None = [] if keep_steps else None
         self.usage: list[UsageSample] = []
@@ -112,8 +117,9 @@ class _Recorder:
             )
 
     def on_outputs(self, outputs: Iterable[Any]) -> list[str]:
-        """Stamp tokens and finishes at the clock; return the ids that finished."""
-        now, finished = self.clock.now(), []
+        """Stamp tokens and finishes at the clock plus `output_s` (when the client sees
+        them); return the ids that finished."""
+        now, finished = self.clock.now() + self.output_s, []
         for out in outputs:
             timeline = self.timelines[out.request_id]
             timeline.token_times_s.extend([now] * len(out.new_token_ids))
@@ -199,7 +205,8 @@ def simulate(
         denoise_tokens_per_step=denoise_tokens_per_step,
     )
     engine = EngineCore(config, executor=executor, clock=clock, source="tandem simulate")
-    recorder = _Recorder(clock, keep_steps, sample_every_s)
+    output_s = engine_time.output_s if engine_time is not None else 0.0
+    recorder = _Recorder(clock, keep_steps, sample_every_s, output_s)
     events = PluginEvents(engine)
     has_grammar = bool(engine.plugin_manager.plugins_with_role("grammar"))
     executor.on_step = recorder.on_step
@@ -247,7 +254,7 @@ def simulate(
             if closed is not None:
                 for rid in finished:
                     client = owner.pop(rid)
-                    nxt = closed.on_finish(client, clock.now())
+                    nxt = closed.on_finish(client, clock.now() + output_s)
                     if nxt is not None:
                         _insert_sorted(pending, (client, nxt))
             if progress is not None and finished:

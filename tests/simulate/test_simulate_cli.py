@@ -82,3 +82,17 @@ def test_tensor_parallelism_prices_steps_and_sizes_the_pool(tmp_path: Path) -> N
     argv = ["simulate", "--stack", sync, "--quiet", "--model", "llama-3-70b"]
     argv += ["--device", "h200", "--traffic", "poisson:rate=2,n=10,prompt=256,output=32"]
     assert main(argv) == 2  # 141 GB of weights on one 141 GB device
+
+
+def test_engine_time_takes_the_output_hop() -> None:
+    """`--engine-time` reads `output=S` in both modes; the modelled defaults stay."""
+    from tandem.core.worker.virtual_device import EngineTime
+    from tandem.simulate.cli import parse_engine_time
+
+    assert parse_engine_time("modelled:output=0.01") == EngineTime(
+        "modelled", step_s=5e-4, per_request_s=2e-5, output_s=0.01
+    )
+    assert parse_engine_time("measured:scale=2,output=0.002") == EngineTime(
+        "measured", scale=2.0, output_s=0.002
+    )
+    assert parse_engine_time("modelled").output_s == 0.0

@@ -209,6 +209,43 @@ def test_closed_loop_clients_keep_at_most_their_count_in_flight() -> None:
 def test_engine_time_modes_are_checked() -> None:
     with pytest.raises(ValueError, match="engine_time.mode"):
         EngineTime(mode="guess")
+    with pytest.raises(ValueError, match="output_s"):
+        EngineTime(output_s=-1.0)
+
+
+def test_output_time_delays_what_the_client_sees_not_the_engine() -> None:
+    """`output_s` shifts every token and finish by itself (the front end's hop) and
+    changes nothing the engine does: the device spans, busy time and steps are the same."""
+    traffic = [TrafficRequest(0.0, 10, 5), TrafficRequest(0.003, 6, 4)]
+    config = scripted(plugins=["reference-scheduler", "default-sampler", f"{__name__}:FixedCost"])
+    plain = simulate(config, traffic, engine_time=EngineTime(step_s=1e-3), keep_steps=True)
+    hop = simulate(
+        config, traffic, engine_time=EngineTime(step_s=1e-3, output_s=0.004), keep_steps=True
+    )
+    assert [(s.start_s, s.end_s) for s in hop.steps] == [(s.start_s, s.end_s) for s in plain.steps]
+    assert hop.busy_s == plain.busy_s and hop.num_steps == plain.num_steps
+    for a, b in zip(plain.timelines, hop.timelines, strict=True):
+        assert b.token_times_s == pytest.approx([t + 0.004 for t in a.token_times_s])
+        assert b.finish_s == pytest.approx(a.finish_s + 0.004)
+    ttft = [
+        summarize(r.timelines, duration_s=r.duration_s, slo=Slo())["ttft_ms"]["p50"]
+        for r in (plain, hop)
+    ]
+    assert ttft[1] == pytest.approx(ttft[0] + 4.0)
+
+
+def test_a_closed_loop_client_sends_after_it_sees_the_finish() -> None:
+    """A closed-loop client's next request arrives `output_s` plus its think time after the
+    engine finished the previous one."""
+    spec = parse_traffic("closed:clients=1,think=0.0,n=3,prompt=16,output=4,seed=0")
+    result = simulate(
+        scripted(), ClosedLoopClients(spec, 256), engine_time=EngineTime(output_s=0.01)
+    )
+    ordered = sorted(result.timelines, key=lambda t: t.arrival_s)
+    for previous, following in zip(ordered, ordered[1:], strict=False):
+        assert previous.finish_s is not None
+        assert following.arrival_s == pytest.approx(previous.finish_s)
+        assert following.arrival_s >= previous.token_times_s[-1]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.skipif(
     reason="glibc and /proc only",
 )
 
-#: Allocates a 16 MB tensor twice (touching every page), freeing it each time, then prints
-#: the resident growth in MB. Unpinned, the first free raises glibc's threshold to 16 MB, the
+#: After a warm-up (the kernels' first use maps their code), allocates a 16 MB tensor twice
+#: (touching every page), freeing it each time, then prints the resident growth in MB. Unpinned, the first free raises glibc's threshold to 16 MB, the
 #: second buffer comes from the heap and stays resident after its free.
 PROBE = textwrap.dedent(
     """
@@ -30,7 +30,9 @@ PROBE = textwrap.dedent(
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
 
+    torch.set_num_threads(1)
     pinned = pin_mmap_threshold() if sys.argv[1] == "pin" else False
+    torch.ones(1 << 19).sum()  # first use of the fill and sum kernels: their code pages
     before = rss_mb()
     for _ in range(2):
         buffer = torch.ones(4 << 20)  # 16 MB, every page written

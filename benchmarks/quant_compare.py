@@ -58,6 +58,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "benchmarks" / "peers"
 LLAMACPP_PYTHON = PEERS / ".venv-llamacpp" / "bin" / "python"
 VLLM_PYTHON = PEERS / ".venv-vllm" / "bin" / "python"
+sys.path.insert(0, str(PEERS))
+from decode_timing import decode_ms_per_token  # noqa: E402 - beside the peers' runners
+
 OUT = ROOT / "benchmarks" / "results" / "quant_compare.json"
 ENGINES = ["tandem:none", "tandem:auto", "tandem:int8", "tandem:int4-g32", "llamacpp", "vllm"]
 PROMPT_TOKENS = 32
@@ -140,16 +143,10 @@ def tandem_child(mode: str, run: str, workload: dict[str, Any], threads: int) ->
         llm.generate([list(range(100, 116))], params(8), use_tqdm=False)  # warm-up
         result: dict[str, Any] = {"engine": f"tandem:{mode}", "run": run}
         if run == "single":
-            per_token = []
-            for prompt in prompts:
-                start = time.perf_counter()
-                llm.generate([prompt], params(1), use_tqdm=False)
-                first = time.perf_counter() - start
-                start = time.perf_counter()
-                out = llm.generate([prompt], params(new + 1), use_tqdm=False)
-                whole = time.perf_counter() - start
-                per_token.append((whole - first) / new * 1000)
-            result["decode_ms_per_token"] = statistics.median(per_token)
+            ms, out = decode_ms_per_token(
+                lambda prompt, n: llm.generate([prompt], params(n), use_tqdm=False), prompts, new
+            )
+            result["decode_ms_per_token"] = ms
             result["first_tokens"] = list(out[0].outputs[0].token_ids)[:16]
         else:
             start = time.perf_counter()

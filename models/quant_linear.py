@@ -164,22 +164,16 @@ def choose_wide_tile(kernel: PanelGemmKernel) -> bool:
 
 class QuantLinear:
     """A float32-in, float32-out linear over a `QuantizedWeight` (see the module
-    docstring). `kind` names the format (`"Q4_1"`, `"int8"`, ...). `kernel`: the panel
-    GEMM kernel (default: the process's, on which the first layer sets the wide-tile
-    choice, `choose_wide_tile`)."""
+    docstring). `kind` names the format (`"Q4_1"`, `"int8"`, ...). The first layer built
+    in a process sets the kernel's wide-tile choice (`choose_wide_tile`)."""
 
-    def __init__(
-        self,
-        weight: QuantizedWeight,
-        bias: torch.Tensor | None = None,
-        kernel: PanelGemmKernel | None = None,
-    ) -> None:
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bits, self.group_size, self.kind = weight.bits, weight.group_size, weight.kind
         self.bias = bias.detach().float().contiguous().clone() if bias is not None else None
-        if kernel is None and (kernel := panel_gemm_kernel()) is not None:
-            choose_wide_tile(kernel)
-        self._kernel: PanelGemmKernel | None = kernel
+        self._kernel: PanelGemmKernel | None = panel_gemm_kernel()
+        if self._kernel is not None:
+            choose_wide_tile(self._kernel)
         self.codes: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
         self.mins: torch.Tensor | None = None

@@ -5,11 +5,12 @@
 
 Replays `simulate_fidelity.py`'s trace (Poisson arrivals, prompts uniform(16,128), outputs
 uniform(16,64), seed 0) at one rate into an in-process `EngineCore` of the embedded model
-on the real clock (requests added when their arrival time has passed, between steps), times
-every step's device part as the calibration does (`StepTimer`: the executor's execute and
-sample calls) and prices the same step shape with the fit. Prints, per kind of step (pure
-decode by batch size, pure prefill, mixed), the count, the measured and predicted seconds
-and the median measured / predicted ratio; writes every step to `--out`.
+on the real clock (`tandem.simulate.trace_profile.replay_steps`, as `tandem simulate
+calibrate --traffic` does), times every step's device part as the calibration does
+(`StepTimer`: the executor's execute and sample calls) and prices the same step shape
+with the fit. Prints, per kind of step (pure decode by batch size, pure prefill, mixed),
+the count, the measured and predicted seconds and the median measured / predicted ratio;
+writes every step to `--out`.
 
 A kind whose ratio is far from 1 while the others are near it is a shape the fit's
 features do not describe (a kernel that changes strategy at some batch size, say); a
@@ -22,7 +23,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,47 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from simulate_fidelity import prompt_seed, real_config, traffic_at  # noqa: E402
 
 from tandem.core.engine_core import EngineCore  # noqa: E402
-from tandem.core.request import Request  # noqa: E402
 from tandem.plugins.cost_models.calibrated import load_fit  # noqa: E402
-from tandem.schema.sampling_params import SamplingParams  # noqa: E402
-from tandem.simulate.step_profile import StepTimer  # noqa: E402
-from tandem.simulate.traffic import TrafficRequest, prompt_token_ids  # noqa: E402
+from tandem.simulate.trace_profile import replay_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 #: (label, lowest, highest) decode batch sizes reported apart.
 DECODE_BANDS = ((1, 4), (5, 8), (9, 16), (17, 64))
-
-
-def _request(rid: str, ids: list[int], tokens: int) -> Request:
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    return Request(request_id=rid, prompt_token_ids=ids, sampling_params=params)
-
-
-def replay_steps(engine: EngineCore, traffic: list[TrafficRequest], seed: int) -> list[Any]:
-    """Every step's `StepSample` of the trace replayed on the real clock."""
-    vocab = engine.config.model.vocab_size or 2
-    timer = StepTimer(engine)
-    for i in range(3):  # warm-up
-        warm = prompt_token_ids(TrafficRequest(0.0, 64, 8), i, vocab, seed + 1)
-        engine.add_request(_request(f"warm-{i}", warm, 8))
-    while engine.has_work():
-        timer.step("warm-up")
-    samples, sent, start = [], 0, time.monotonic()
-    while sent < len(traffic) or engine.has_work():
-        now = time.monotonic() - start
-        while sent < len(traffic) and traffic[sent].arrival_s <= now:
-            entry = traffic[sent]
-            ids = prompt_token_ids(entry, sent, vocab, seed)
-            engine.add_request(_request(f"r{sent}", ids, entry.output_tokens))
-            sent += 1
-        if not engine.has_work():
-            time.sleep(max(0.0, traffic[sent].arrival_s - (time.monotonic() - start)))
-            continue
-        sample = timer.step("replay")
-        if sample is not None:
-            samples.append(sample)
-    timer.restore()
-    return samples
 
 
 def main() -> None:

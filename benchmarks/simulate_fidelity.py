@@ -1,6 +1,7 @@
 """How well does `tandem simulate` predict the real engine? Predicted vs measured on this CPU.
 
-    python benchmarks/simulate_fidelity.py [--fit FIT.json | --calibrate-seconds 180]
+    python benchmarks/simulate_fidelity.py [--fit FIT.json | --calibrate-seconds 180
+        --calibrate-rates 1,inf]
         [--threads 1] [--requests 48] [--prompt 16,128] [--output 16,64] [--seed 0]
         [--rates auto | R1,R2,R3] [--modes sync,async] [--repeats 3]
 
@@ -11,8 +12,11 @@ would find its prompts in the prefix cache), at three rates (`auto`: 0.5x, 0.8x 
 the saturation rate the calibrated simulation predicts for a burst, sync), under
 synchronous and asynchronous scheduling.
 
-- Fit: `tandem simulate calibrate --threads T --max-seconds S` in a child process (or
-  `--fit`), written to benchmarks/results/simulate_fidelity_fit.json.
+- Fit: `tandem simulate calibrate --threads T --max-seconds S --traffic ...` in a child
+  process (or `--fit`), written to benchmarks/results/simulate_fidelity_fit.json. The
+  traffic it replays after its grid (`--calibrate-rates`, default 1 req/s and a burst) has
+  the trace's length distributions but another seed, so no calibration step is a step of
+  a measured run: a user calibrates with traffic like what they will simulate.
 - Measured: `fidelity_replay.replay` (open loop through `AsyncLLM`, the engine core in its
   own process as `tandem serve` runs it; its docstring says why), one engine per mode, a
   warm-up first, then `--repeats` rounds over the rates (interleaved), with a speed probe
@@ -66,6 +70,8 @@ from tandem.stack_file import load_config  # noqa: E402
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 MODES = {"sync": False, "async": True}
+#: The calibration traffic's seed is the trace's plus this (`calibration_traffic`).
+CALIBRATION_SEED_OFFSET = 7
 #: Auto rates as multiples of the predicted saturation rate (the last one past it).
 RATE_FACTORS = (0.5, 0.8, 1.5)
 #: (summary key, percentile or None): the figures compared.
@@ -79,10 +85,24 @@ METRICS: tuple[tuple[str, str | None], ...] = (
 )
 
 
-def calibrate_fit(path: Path, seconds: float, threads: int) -> CalibrationFit:
-    """Run `tandem simulate calibrate` in a child process (its own model copy and memory)."""
+def calibration_traffic(args: argparse.Namespace) -> list[str]:
+    """The traffic `calibrate --traffic` replays (`--calibrate-rates`): the trace's length
+    distributions with another seed (other arrivals, lengths and prompts than any measured
+    run) at rates that are not the measured ones."""
+    rates = [r for r in args.calibrate_rates.split(",") if r]
+    other = argparse.Namespace(**vars(args) | {"seed": args.seed + CALIBRATION_SEED_OFFSET})
+    return [traffic_spec(other, float(rate)) for rate in rates]
+
+
+def calibrate_fit(
+    path: Path, seconds: float, threads: int, traffic: list[str] | None = None
+) -> CalibrationFit:
+    """Run `tandem simulate calibrate` in a child process (its own model copy and memory),
+    with `--traffic` for each spec in `traffic`."""
     command = [sys.executable, "-m", "tandem.cli", "simulate", "calibrate", "--out", str(path)]
     command += ["--threads", str(threads), "--max-seconds", str(seconds)]
+    for spec in traffic or []:
+        command += ["--traffic", spec]
     env = os.environ | {"OMP_NUM_THREADS": str(threads)}
     subprocess.run(command, check=True, env=env)
     return load_fit(path)
@@ -284,6 +304,12 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--fit", type=Path, help="an existing fit (default: calibrate first)")
     p.add_argument("--calibrate-seconds", type=float, default=180.0)
+    p.add_argument(
+        "--calibrate-rates",
+        default="1,inf",
+        help="rates (req/s, inf: a burst) of the traffic calibrate replays after its grid, "
+        "the trace's lengths with another seed; empty: the grid alone",
+    )
     p.add_argument("--threads", type=int, default=1, help="worker threads, both sides")
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--prompt", default="16,128", help="uniform prompt length range")
@@ -343,7 +369,9 @@ def main() -> None:
     if args.fit:
         fit = load_fit(fit_path)
     else:
-        fit = calibrate_fit(fit_path, args.calibrate_seconds, args.threads)
+        fit = calibrate_fit(
+            fit_path, args.calibrate_seconds, args.threads, calibration_traffic(args)
+        )
     sync_config = real_config(False, args.threads)
     probe = SpeedProbe(sync_config)
     rows: list[dict[str, Any]] = []

@@ -13,7 +13,7 @@ rm -rf "$dir"
 mkdir -p "$dir/src" "$dir/pkg"
 git -C "$root" archive "$rev" | tar -x -C "$dir/src"
 cp -r "$dir/src/tandem" "$dir/pkg/tandem"
-for sub in core kv plugins spec_decode structured_output; do
+for sub in core kv models plugins spec_decode structured_output; do
   ln -s "$dir/src/$sub" "$dir/pkg/tandem/$sub"
 done
 echo "$dir/pkg"

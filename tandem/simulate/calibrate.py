@@ -1,13 +1,17 @@
 """`tandem simulate calibrate`: fit the simulated device's cost model to this device.
 
     tandem simulate calibrate [--config STACK.yaml] [--out fit.json] [--max-seconds 300]
-        [--threads N] [--repeats 3] [--seed 0] [--quiet]
+        [--threads N] [--repeats 3] [--seed 0] [--traffic SPEC ...] [--quiet]
 
 Builds the real engine for the stack (default: the embedded model, `model: default`) with
 synchronous scheduling, times its steps over a grid of batch shapes for at most
 `--max-seconds` (`step_profile.GridProfiler`: prefill chunks, decode batches at several
-contexts, mixed steps), takes the median per grid point, and fits two non-negative linear
-models (`plugins/cost_models/linear_fit.py`), each weighted to minimise relative error:
+contexts, mixed steps), takes the median per grid point, then replays each `--traffic`
+(`trace_profile.replay_steps`: the traffic on the real clock, every step timed; its steps
+grouped by (requests, tokens) into points that count their steps), and fits two
+non-negative linear models (`plugins/cost_models/linear_fit.py`), each weighted to
+minimise relative error, a grid point counting once and a traffic point as many times as
+it has steps (`point_weight`):
 
 - device seconds per step (the executor's execute + sample) over the step-shape features
   (`FIT_FEATURES`: the token count as a piecewise-linear curve): the `calibrated-cost`
@@ -32,6 +36,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -42,8 +47,13 @@ from tandem.plugins.cost_models.calibrated import CalibrationFit, save_fit
 from tandem.plugins.cost_models.linear_fit import FIT_FEATURES, LinearFit, fit_nonnegative, select
 from tandem.schema.config import EngineConfig
 from tandem.simulate.step_profile import GridProfiler, StepSample
+from tandem.simulate.trace_profile import replay_steps
+from tandem.simulate.traffic import generate, parse_traffic
 from tandem.stack_file import load_config
 
+#: The label prefix of the points measured under traffic (`--traffic`); `traffic:K` is the
+#: K-th spec's.
+TRAFFIC_LABEL = "traffic:"
 #: CPU flags worth recording with a fit (the kernels' code paths depend on them).
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "sve")
 
@@ -89,19 +99,30 @@ def grid_points(samples: list[StepSample]) -> list[GridPoint]:
     return points
 
 
+def point_weight(point: GridPoint) -> float:
+    """How many steps a point stands for in the fit: 1 for a grid point (the grid is a
+    design, not a sample), its step count for a traffic point (`TRAFFIC_LABEL`), so the
+    fit weighs the traffic's shapes as often as the traffic runs them."""
+    return float(point.steps) if point.label.startswith(TRAFFIC_LABEL) else 1.0
+
+
 def fit_points(points: list[GridPoint]) -> tuple[LinearFit, LinearFit]:
-    """(device fit over `FIT_FEATURES`, engine fit over (1, requests)). ValueError when
-    fewer than two grid points were measured."""
+    """(device fit over `FIT_FEATURES`, engine fit over (1, requests)), each point weighted
+    by `point_weight`. ValueError when fewer than two points were measured."""
     if len(points) < 2:
         raise ValueError(
             f"calibrate: only {len(points)} grid point(s) measured; give --max-seconds more"
         )
+    counts = [point_weight(p) for p in points]
     device = fit_nonnegative(
         [select(p.features, FIT_FEATURES) for p in points],
         [max(p.device_s, 1e-9) for p in points],
+        counts=counts,
     )
     engine = fit_nonnegative(
-        [(1.0, float(p.num_reqs)) for p in points], [max(p.engine_s, 1e-6) for p in points]
+        [(1.0, float(p.num_reqs)) for p in points],
+        [max(p.engine_s, 1e-6) for p in points],
+        counts=counts,
     )
     return device, engine
 
@@ -159,15 +180,22 @@ def calibrate(
     repeats: int = 3,
     seed: int = 0,
     log: Any = print,
+    traffic: Sequence[str] = (),
 ) -> tuple[CalibrationFit, list[GridPoint]]:
-    """Profile the real engine of `config` (resolved, synchronous) for at most
-    `max_seconds` after it is built, and fit; returns the fit and its grid points."""
+    """Profile the real engine of `config` (resolved, synchronous) over the grid for at
+    most `max_seconds` after it is built, then replay each `traffic` spec
+    (`tandem.simulate.traffic.parse_traffic` syntax) in full, and fit; returns the fit and
+    its points (grid points first, then each traffic's, labelled `traffic:K`)."""
     load_before = os.getloadavg()
+    loads = [parse_traffic(spec) for spec in traffic]  # bad specs fail before the model loads
     engine = EngineCore(config, source="tandem simulate calibrate")
     start = time.monotonic()
     try:
         profiler = GridProfiler(engine, start + max_seconds, repeats, seed, log)
         samples = profiler.run()
+        for k, load in enumerate(loads):
+            requests = generate(load, config.max_model_len)
+            samples += replay_steps(engine, requests, seed, f"{TRAFFIC_LABEL}{k}", log)
     finally:
         engine.shutdown()
     points = grid_points(samples)
@@ -195,6 +223,7 @@ def calibrate(
                 "repeats": repeats,
                 "seed": seed,
                 "skipped": profiler.skipped,
+                "traffic": list(traffic),
                 "load_average_before": load_before,
                 "load_average_after": os.getloadavg(),
             },
@@ -206,16 +235,28 @@ def calibrate(
 
 
 def print_report(fit: CalibrationFit, points: list[GridPoint], file: TextIO) -> None:
-    """Each grid point, measured against the fit, then the coefficients and quality."""
+    """Each grid point, measured against the fit; per traffic, its steps' device seconds
+    measured and fitted; then the coefficients and quality."""
     print(f"{'grid point':<24}{'reqs':>5}{'tokens':>7}{'device ms':>11}{'fit ms':>9}"
           f"{'err':>7}{'engine ms':>11}", file=file)  # fmt: skip
+    traffic: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for p in points:
         values = select(p.features, fit.features)
         predicted = sum(c * f for c, f in zip(fit.coef, values, strict=True))
+        if p.label.startswith(TRAFFIC_LABEL):
+            traffic[p.label].append((p.steps * p.device_s, p.steps * predicted))
+            continue
         err = (predicted - p.device_s) / p.device_s if p.device_s > 0 else 0.0
         print(
             f"{p.label[:23]:<24}{p.num_reqs:>5}{p.num_tokens:>7}{1000 * p.device_s:>11.2f}"
             f"{1000 * predicted:>9.2f}{100 * err:>6.1f}%{1000 * p.engine_s:>11.3f}",
+            file=file,
+        )
+    for label, pairs in traffic.items():
+        measured, predicted = (sum(column) for column in zip(*pairs, strict=True))
+        print(
+            f"{label}: {len(pairs)} points, device {measured:.2f} s measured, "
+            f"{predicted:.2f} s fitted ({100 * (predicted / measured - 1):+.1f}%)",
             file=file,
         )
     terms = ", ".join(f"{n}={c:.4g}" for n, c in zip(fit.features, fit.coef, strict=True))
@@ -223,7 +264,7 @@ def print_report(fit: CalibrationFit, points: list[GridPoint], file: TextIO) -> 
     print(f"device fit (s per unit): {terms}", file=file)
     print(
         f"device fit: r2 {fit.r2:.4f}, median |relative error| "
-        f"{100 * fit.median_abs_rel_error:.1f}% over {fit.samples} grid points",
+        f"{100 * fit.median_abs_rel_error:.1f}% over {fit.samples} points",
         file=file,
     )
     print(
@@ -248,6 +289,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="worker threads (default: the stack's)")
     p.add_argument("--repeats", type=int, default=3, help="steps timed per grid point")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument(
+        "--traffic",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="after the grid, replay this traffic (tandem simulate's --traffic syntax) on the "
+        "real clock and fit its steps too, each counted once; repeatable",
+    )
     p.add_argument("--quiet", action="store_true", help="print only the fit quality")
     return p
 
@@ -258,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--max-seconds must be > 0, --repeats and --threads >= 1")
     config = profile_config(args.config, args.threads)
     log = (lambda _line: None) if args.quiet else (lambda line: print(line, file=sys.stderr))
-    fit, points = calibrate(config, args.max_seconds, args.repeats, args.seed, log)
+    fit, points = calibrate(config, args.max_seconds, args.repeats, args.seed, log, args.traffic)
     print_report(fit, [] if args.quiet else points, sys.stdout)
     save_fit(fit, args.out)
     print(f"wrote {args.out}")

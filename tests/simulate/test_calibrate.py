@@ -230,3 +230,71 @@ def test_a_short_calibration_of_a_tiny_model_writes_a_usable_fit(
     assert prefills == sorted(prefills) and prefills[-1] > prefills[0]
     decodes = [fit.device_seconds(StepShape((1,) * b, (100,) * b, b)) for b in (1, 4, 16)]
     assert all(d > 0 for d in decodes) and decodes == sorted(decodes)
+
+
+def test_a_count_weighs_a_row_as_that_many_copies_of_it() -> None:
+    rng = random.Random(3)
+    rows = [[1.0, rng.uniform(1, 100), rng.uniform(0, 50)] for _ in range(12)]
+    seconds = [0.01 + 1e-4 * r[1] + 3e-4 * r[2] + rng.uniform(-2e-3, 2e-3) for r in rows]
+    counts = [rng.randint(1, 4) for _ in rows]
+    copies = [(r, s) for r, s, n in zip(rows, seconds, counts, strict=True) for _ in range(n)]
+    repeated = fit_nonnegative([r for r, _ in copies], [s for _, s in copies])
+    weighted = fit_nonnegative(rows, seconds, counts=counts)
+    np.testing.assert_allclose(weighted.coef, repeated.coef, rtol=1e-6, atol=1e-12)
+    unweighted = fit_nonnegative(rows, seconds)
+    assert not np.allclose(unweighted.coef, repeated.coef, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("counts", [[1.0, 0.0], [1.0], [1.0, float("nan")]])
+def test_bad_counts_are_refused(counts: list[float]) -> None:
+    with pytest.raises(ValueError, match="counts"):
+        fit_nonnegative([[1.0, 2.0], [1.0, 3.0]], [0.1, 0.2], counts=counts)
+
+
+def test_traffic_points_count_their_steps_and_grid_points_once() -> None:
+    from tandem.simulate.calibrate import TRAFFIC_LABEL, GridPoint, point_weight
+
+    features = tuple(float(i) for i in range(len(FEATURES)))
+    grid = GridPoint("decode:4:64", 4, 4, features, 0.03, 0.001, 0.031, 3)
+    traffic = GridPoint(f"{TRAFFIC_LABEL}0", 4, 4, features, 0.03, 0.001, 0.031, 250)
+    assert point_weight(grid) == 1.0 and point_weight(traffic) == 250.0
+
+
+def test_a_bad_traffic_spec_fails_before_the_model_loads(tmp_path: Path) -> None:
+    argv = ["calibrate", "--out", str(tmp_path / "fit.json"), "--max-seconds", "5"]
+    with pytest.raises(ValueError, match="traffic"):
+        simulate_main([*argv, "--traffic", "nope:1"])
+
+
+def test_replayed_traffic_runs_every_request_and_times_its_steps(tiny_model_dir) -> None:  # noqa: ANN001
+    from tandem.config_resolution import resolve_config
+    from tandem.core.engine_core import EngineCore
+    from tandem.simulate.trace_profile import replay_steps
+    from tandem.simulate.traffic import TrafficRequest
+    from tandem.stack_file import load_config
+
+    config = resolve_config(
+        load_config(
+            None,
+            model=str(tiny_model_dir("llama")),
+            async_scheduling=False,
+            worker_num_threads=1,
+            enable_prefix_caching=False,
+        )
+    )
+    traffic = [TrafficRequest(0.02 * i, 10 + 7 * i, 3 + i % 4) for i in range(6)]
+    engine = EngineCore(config, source="test")
+    try:
+        lines: list[str] = []
+        samples = replay_steps(engine, traffic, seed=5, label="traffic:0", log=lines.append)
+        assert not engine.has_work()
+    finally:
+        engine.shutdown()
+    assert samples and all(s.label == "traffic:0" for s in samples)
+    assert all(s.wall_s >= s.device_s > 0 for s in samples)
+    prompt_tokens = sum(s.shape.num_prefill_tokens for s in samples)
+    decode_tokens = sum(s.shape.num_tokens - s.shape.num_prefill_tokens for s in samples)
+    assert prompt_tokens == sum(t.prompt_tokens for t in traffic)
+    # Each request samples its first token after its prefill; the rest are decode steps.
+    assert decode_tokens == sum(t.output_tokens - 1 for t in traffic)
+    assert lines == [f"traffic:0: 6 requests, {len(samples)} steps replayed"]

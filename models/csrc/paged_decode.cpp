@@ -27,6 +27,7 @@
 // against 5.0 ms with 16-float vectors (which GCC kept on the stack on AVX2).
 
 #include <algorithm>
+#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -246,20 +247,175 @@ ItemFn<T> pick(int64_t head_dim, int64_t block_size, int64_t group) {
   return decode_item_generic<T>;
 }
 
+// Query tiles: the rows of one request's prefill chunk (or verify span) are consecutive
+// queries over the same keys, row i + 1 seeing one key more than row i. A tile of up to Q
+// such rows shares each key and value load across its Q x G query heads: per key-dimension
+// d one load of a block's 16 keys feeds Q x G accumulators, and per value row one load
+// feeds Q x G. Q is set so the accumulators fill the vector registers (24 of AVX-512's
+// 32, 12 of AVX2's 16). Every key the tile reads lies before its last row's length, and
+// every one of them was written (the chunk's own keys are written before attending), so
+// a shorter row's extra scores are finite; its weights past its own length are zeroed
+// after its softmax, which keeps each row's result exactly that of its own decode item.
+constexpr int kAccumulators = kLanes == 16 ? 24 : 12;
+
+constexpr int tile_rows(int group) {
+  const int q = kAccumulators / (group * kPerSlice);
+  return q < 1 ? 1 : (q > 16 ? 16 : q);
+}
+
+template <typename T, int D, int G>
+void tile_item_fast(const Problem<T>& p, int64_t r0, int64_t n, int64_t h, float* scores,
+                    int64_t padded) {
+  constexpr int Q = tile_rows(G);
+  constexpr int R = Q * G;  // score row i = query row (i / G), head (i % G)
+  const int64_t last = r0 + n - 1;
+  const int64_t len_max = p.seq_lens[last];
+  const int64_t num_blocks = (len_max + kBlock - 1) / kBlock;
+  const int64_t* table = p.block_tables + last * p.max_blocks;
+  const int64_t v_row = p.kv_heads * D;
+  // qs[d][i]: row i's scaled query at dimension d (rows past n repeat the last: unused).
+  alignas(64) float qs[D][R];
+  for (int qi = 0; qi < Q; ++qi) {
+    const int64_t r = r0 + std::min<int64_t>(qi, n - 1);
+    for (int g = 0; g < G; ++g)
+      for (int d = 0; d < D; ++d) qs[d][qi * G + g] = p.q[(r * p.q_heads + h * G + g) * D + d] * p.scale;
+  }
+  auto key_block = [&](int64_t b) { return p.k_pool + (table[b] * p.kv_heads + h) * D * kBlock; };
+  for (int64_t b = 0; b < std::min<int64_t>(kPrefetchBlocks, num_blocks); ++b)
+    prefetch_block(key_block(b), D * kBlock);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if (b + kPrefetchBlocks < num_blocks) prefetch_block(key_block(b + kPrefetchBlocks), D * kBlock);
+    const T* kt = key_block(b);
+    Vec acc[R][kPerSlice] = {};
+    for (int d = 0; d < D; ++d) {
+      Vec k[kPerSlice];
+      for (int c = 0; c < kPerSlice; ++c) k[c] = load(kt + d * kBlock + c * kLanes);
+#pragma GCC unroll 64
+      for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+        for (int c = 0; c < kPerSlice; ++c) acc[i][c] += qs[d][i] * k[c];
+    }
+#pragma GCC unroll 64
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+      for (int c = 0; c < kPerSlice; ++c) store(scores + i * padded + b * kBlock + c * kLanes, acc[i][c]);
+  }
+  for (int i = 0; i < R; ++i) {
+    float* s = scores + i * padded;
+    if (i / G >= n) {  // a padding row: zero weights keep its (discarded) sums finite
+      std::fill(s, s + len_max, 0.f);
+      continue;
+    }
+    const int64_t len = p.seq_lens[r0 + i / G];
+    softmax(s, len);
+    std::fill(s + len, s + len_max, 0.f);
+  }
+  // The weights transposed, key-major (wt[t * R + i]): the value pass broadcasts a key's R
+  // weights from one line instead of R rows `padded` apart.
+  float* wt = scores + R * padded;
+  for (int64_t t = 0; t < len_max; ++t)
+#pragma GCC unroll 64
+    for (int i = 0; i < R; ++i) wt[t * R + i] = scores[i * padded + t];
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    Vec acc[R][kPerSlice] = {};
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const T* vb = p.v_pool + table[b] * kBlock * v_row + h * D + d0;
+      if (b + 2 < num_blocks) {
+        const T* ahead = p.v_pool + table[b + 2] * kBlock * v_row + h * D + d0;
+        for (int64_t t = 0; t < kBlock; ++t) __builtin_prefetch(ahead + t * v_row);
+      }
+      const int64_t rows = std::min<int64_t>(kBlock, len_max - b * kBlock);
+      const float* w = wt + b * kBlock * R;
+      for (int64_t t = 0; t < rows; ++t) {
+        Vec v[kPerSlice];
+        for (int c = 0; c < kPerSlice; ++c) v[c] = load(vb + t * v_row + c * kLanes);
+#pragma GCC unroll 64
+        for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+          for (int c = 0; c < kPerSlice; ++c) acc[i][c] += w[t * R + i] * v[c];
+      }
+    }
+#pragma GCC unroll 64
+    for (int i = 0; i < R; ++i) {
+      if (i / G >= n) continue;
+      float* o = p.out + ((r0 + i / G) * p.q_heads + h * G + i % G) * D + d0;
+      for (int c = 0; c < kPerSlice; ++c) store(o + c * kLanes, acc[i][c]);
+    }
+  }
+}
+
+template <typename T>
+using TileFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, float*, int64_t);
+
+// The tile kernel and its rows for (head_dim, block_size, group); {nullptr, 1} where the
+// shape has no tile kernel (each row then runs as its own decode item).
+template <typename T>
+std::pair<TileFn<T>, int> pick_tile(int64_t head_dim, int64_t block_size, int64_t group) {
+  if (block_size != kBlock || (head_dim != 64 && head_dim != 128)) return {nullptr, 1};
+#define TANDEM_TILE_CASE(G)                                                                    \
+  case G:                                                                                      \
+    return head_dim == 64 ? std::pair<TileFn<T>, int>{tile_item_fast<T, 64, G>, tile_rows(G)} \
+                          : std::pair<TileFn<T>, int>{tile_item_fast<T, 128, G>, tile_rows(G)};
+  switch (group) {
+    TANDEM_TILE_CASE(1)
+    TANDEM_TILE_CASE(2)
+    TANDEM_TILE_CASE(3)
+    TANDEM_TILE_CASE(4)
+    default: return {nullptr, 1};
+  }
+#undef TANDEM_TILE_CASE
+}
+
+// Splits rows into tiles: row r joins the tile of row r - 1 when it sees one key more and
+// has the same block table over its keys (rows of one request), up to `max_rows` a tile.
+std::vector<std::pair<int64_t, int64_t>> query_tiles(const int64_t* block_tables, const int64_t* seq_lens,
+                                                     int64_t num_requests, int64_t max_blocks,
+                                                     int64_t block_size, int max_rows) {
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (first row, rows)
+  for (int64_t r = 0; r < num_requests; ++r) {
+    if (!tiles.empty()) {
+      auto& tile = tiles.back();
+      const int64_t prev = r - 1;
+      const int64_t blocks = (seq_lens[r] + block_size - 1) / block_size;
+      if (tile.second < max_rows && seq_lens[r] == seq_lens[prev] + 1 &&
+          std::equal(block_tables + r * max_blocks, block_tables + r * max_blocks + blocks,
+                     block_tables + prev * max_blocks)) {
+        ++tile.second;
+        continue;
+      }
+    }
+    tiles.emplace_back(r, 1);
+  }
+  return tiles;
+}
+
 template <typename T>
 void run(const Problem<T>& p, int64_t num_requests, int num_threads) {
   const int64_t group = p.q_heads / p.kv_heads;
   const ItemFn<T> item_fn = pick<T>(p.head_dim, p.block_size, group);
+  const auto [tile_fn, tile_max] = pick_tile<T>(p.head_dim, p.block_size, group);
+  const auto tiles = query_tiles(p.block_tables, p.seq_lens, num_requests, p.max_blocks,
+                                 p.block_size, tile_fn ? tile_max : 1);
   int64_t longest = 0;
   for (int64_t r = 0; r < num_requests; ++r) longest = std::max(longest, p.seq_lens[r]);
   const int64_t padded = (longest + p.block_size - 1) / p.block_size * p.block_size;
+  const int64_t num_items = static_cast<int64_t>(tiles.size()) * p.kv_heads;
 
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> scores(group * padded);
+    // Scores of a tile's rows, and (tiles only) the same again for their transpose.
+    std::vector<float> scores(group * std::max<int64_t>(tile_max, 1) * padded * (tile_fn ? 2 : 1));
+    // Longest tiles first (a prefill's last rows see the most keys): less idle tail.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_requests * p.kv_heads; ++item)
-      item_fn(p, item / p.kv_heads, item % p.kv_heads, scores.data(), padded);
+    for (int64_t i = 0; i < num_items; ++i) {
+      const int64_t item = num_items - 1 - i;
+      const auto [r0, rows] = tiles[item / p.kv_heads];
+      const int64_t h = item % p.kv_heads;
+      if (rows > 1)
+        tile_fn(p, r0, rows, h, scores.data(), padded);
+      else
+        item_fn(p, r0, h, scores.data(), padded);
+    }
   }
 }
 

@@ -65,6 +65,52 @@ def test_kernel_matches_sdpa(head_dim: int, q_heads: int, kv_heads: int, block_s
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("head_dim", "q_heads", "kv_heads"),
+    [(64, 9, 3), (128, 8, 4), (64, 4, 4), (64, 8, 2), (64, 16, 2), (16, 4, 2)],
+)
+def test_prefill_spans_as_query_tiles_match_each_rows_decode(
+    pool_dtype: torch.dtype, head_dim: int, q_heads: int, kv_heads: int
+) -> None:
+    """Rows of one request's chunk (consecutive, one key more each, the same block table)
+    run as query tiles; each row must equal its own decode over its causal prefix. Spans of
+    1-41 rows behind cached prefixes of 0-70 keys, beside plain decodes; a second request
+    whose length happens to continue the first's (another table) must not join its tile.
+    The pool tail past each request's keys is NaN: no row may read it."""
+    kernel = paged_decode_kernel()
+    assert kernel is not None
+    block_size = 16
+    gen = torch.Generator().manual_seed(head_dim * 7 + q_heads)
+    # (cached prefix, rows this step) per request; a decode is (prefix, 1).
+    spans = [(0, 41), (30, 1), (70, 9), (0, 2), (5, 17), (22, 1), (23, 3), (0, 1)]
+    longest = max(prefix + n for prefix, n in spans)
+    max_blocks = -(-longest // block_size)
+    num_blocks = len(spans) * max_blocks + 3
+    k_pool_t = torch.randn(num_blocks, kv_heads, head_dim, block_size, generator=gen)
+    v_pool = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen)[: len(spans) * max_blocks]
+    request_tables = order.view(len(spans), max_blocks)
+    for r, (prefix, n) in enumerate(spans):  # NaN past each request's keys
+        for pos in range(prefix + n, max_blocks * block_size):
+            block = request_tables[r, pos // block_size]
+            k_pool_t[block, :, :, pos % block_size] = float("nan")
+            v_pool[block, pos % block_size] = float("nan")
+    rows, lens = [], []
+    for r, (prefix, n) in enumerate(spans):
+        rows += [r] * n
+        lens += [prefix + i + 1 for i in range(n)]
+    tables = request_tables[rows].contiguous()
+    lens_t = torch.tensor(lens)
+    q = torch.randn(len(rows), q_heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    k_pool_t, v_pool = k_pool_t.to(pool_dtype), v_pool.to(pool_dtype)
+    got = kernel(q, k_pool_t, v_pool, tables, lens_t, scale)
+    want = reference(q, k_pool_t.float(), v_pool.float(), tables, lens_t, scale)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
 def test_kernel_with_no_requests() -> None:
     kernel = paged_decode_kernel()
     assert kernel is not None

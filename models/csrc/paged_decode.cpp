@@ -103,8 +103,9 @@ void prefetch_block_l2(const T* p, int64_t elements) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
 }
 
-// Normalised softmax of s[0..len) in place (the loops vectorise, exp included).
-void softmax(float* s, int64_t len) {
+// exp(s[t] - max s) over s[0..len) in place; returns 1 / their sum (the loops vectorise,
+// exp included).
+float exp_weights(float* s, int64_t len) {
   float peak = s[0];
   for (int64_t t = 1; t < len; ++t) peak = std::max(peak, s[t]);
   float total = 0.f;
@@ -114,7 +115,12 @@ void softmax(float* s, int64_t len) {
     s[t] = e;
     total += e;
   }
-  const float inv = 1.f / total;
+  return 1.f / total;
+}
+
+// Normalised softmax of s[0..len) in place.
+void softmax(float* s, int64_t len) {
+  const float inv = exp_weights(s, len);
 #pragma omp simd
   for (int64_t t = 0; t < len; ++t) s[t] *= inv;
 }
@@ -300,22 +306,20 @@ void tile_item_fast(const Problem<T>& p, int64_t r0, int64_t n, int64_t h, float
 #pragma GCC unroll 4
       for (int c = 0; c < kPerSlice; ++c) store(scores + i * padded + b * kBlock + c * kLanes, acc[i][c]);
   }
+  // Softmax per row, normalised while it is transposed key-major (wt[t * R + i]: the value
+  // pass broadcasts a key's R weights from one line instead of R rows `padded` apart).
+  // Past a row's own length (and in padding rows, whose sums are discarded) weights are 0.
+  float* wt = scores + R * padded;
+  float inv[R];
   for (int i = 0; i < R; ++i) {
     float* s = scores + i * padded;
-    if (i / G >= n) {  // a padding row: zero weights keep its (discarded) sums finite
-      std::fill(s, s + len_max, 0.f);
-      continue;
-    }
-    const int64_t len = p.seq_lens[r0 + i / G];
-    softmax(s, len);
+    const int64_t len = i / G < n ? p.seq_lens[r0 + i / G] : 0;
+    inv[i] = len > 0 ? exp_weights(s, len) : 0.f;
     std::fill(s + len, s + len_max, 0.f);
   }
-  // The weights transposed, key-major (wt[t * R + i]): the value pass broadcasts a key's R
-  // weights from one line instead of R rows `padded` apart.
-  float* wt = scores + R * padded;
   for (int64_t t = 0; t < len_max; ++t)
 #pragma GCC unroll 64
-    for (int i = 0; i < R; ++i) wt[t * R + i] = scores[i * padded + t];
+    for (int i = 0; i < R; ++i) wt[t * R + i] = scores[i * padded + t] * inv[i];
   for (int d0 = 0; d0 < D; d0 += 16) {
     Vec acc[R][kPerSlice] = {};
     for (int64_t b = 0; b < num_blocks; ++b) {

@@ -23,6 +23,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,18 +44,22 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=2.5)
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--async-scheduling", action="store_true", help="replay under async")
     p.add_argument("--fit", type=Path, default=ROOT / "results" / "simulate_fidelity_fit.json")
     p.add_argument("--out", type=Path, default=Path("/tmp/fidelity_steps.json"))
     args = p.parse_args()
     trace = argparse.Namespace(requests=args.requests, prompt="16,128", output="16,64", seed=0)
-    config = real_config(False, args.threads)
+    config = real_config(args.async_scheduling, args.threads)
     traffic = traffic_at(trace, args.rate, config.max_model_len)
     fit = load_fit(args.fit)
     engine = EngineCore(config, source="fidelity_steps")
     try:
+        started = time.monotonic()
         samples = replay_steps(engine, traffic, prompt_seed(trace, args.rate, [args.rate]))
+        wall = time.monotonic() - started
     finally:
         engine.shutdown()
+    print(f"replay wall {wall:.2f} s (warm-up included), {len(samples)} steps")
     rows = []
     for s in samples:
         queries = s.shape.query_lens

@@ -1,21 +1,30 @@
-"""The worker process's C heap: glibc's mmap threshold pinned so per-step buffers go back.
+"""The worker process's C heap: glibc's mmap and trim thresholds pinned, so a step's
+buffers are reused from the heap and what stays resident is bounded and the same every run.
 
 glibc serves an allocation of at least `M_MMAP_THRESHOLD` bytes (128 KiB at start) with its
-own `mmap` and unmaps it at `free`. The threshold is dynamic: freeing such a block raises it
-to the block's size (up to 32 MiB), and the trim threshold with it to twice that, so after a
-step's first large free (a 64-row step's 12 MB of logits, a prefill's activations) later
-buffers of that size come from the heap and up to twice the largest of them stays resident
-after they are freed. A 64-sequence run of the embedded model then peaked 605-664 MB over
-repeats instead of 605-607 MB.
+own `mmap` and unmaps it at `free`; freed heap memory above `M_TRIM_THRESHOLD` at the heap's
+top goes back to the OS. Both are dynamic: freeing a mapped block raises the mmap
+threshold to the block's size (up to 32 MiB) and the trim threshold to twice that, so what
+a run keeps resident depends on the order of its first large frees (a 64-sequence run of
+the embedded model peaked 605-664 MB over identical repeats).
 
-`pin_mmap_threshold` sets the threshold once (`mallopt(M_MMAP_THRESHOLD)`, which also turns
-the dynamic adjustment off) at `MMAP_THRESHOLD_BYTES`: a decode step's buffers (a batch-1
-step's largest, its logits row, is under 200 KB) stay on the heap and are reused as before;
-buffers of 4 MB and more are mapped fresh and returned at free, a page-fault cost that is
-small against the step that needs them (measured: no change in tokens per second at 64
-sequences). Process-wide, like the thread count: where the user set
-`MALLOC_MMAP_THRESHOLD_` (glibc's environment tunable) that choice stands. Nothing happens
-where the C library is not glibc.
+`pin_mmap_threshold` fixes them once (`mallopt`, which also turns the dynamic adjustment
+off) at `MMAP_THRESHOLD_BYTES` (8 MiB) and `TRIM_THRESHOLD_BYTES` (32 MiB). A step's
+buffers under 8 MiB (every activation of a decode batch, most of a prefill's) come from the
+heap and are reused by the next op and step without faulting their pages in again; larger
+ones are mapped fresh and returned at free, so they never fragment the heap; at most
+32 MiB of freed heap top stays resident. Measured on the embedded model in bf16 (2 threads,
+Sapphire Rapids; `python benchmarks/heap_thresholds.py`): 32 prompts prefilled at once
+(2,048-token steps) took 1,742-1,764 ms with the mmap threshold at 4 MiB (every large
+activation mapped and faulted in per op: 590-630 thousand page faults per burst, 28 % of
+the CPU time in the kernel's fault path), 1,199-1,211 ms at 8 / 32 MiB and 1,115-1,183 ms
+at 32 / 64 MiB. But at 32 / 64 MiB (or 16 / 32) the buffers of 8-32 MiB on the heap
+fragment it: a 64-sequence run of the GGUF kept quantized (`benchmarks/quant_compare.py`)
+peaked at 657-683 MB, over the 636 MB docs/quantization.md holds it to, against 620 MB at
+8 / 32 MiB.
+Process-wide, like the thread count: where the user set `MALLOC_MMAP_THRESHOLD_` (glibc's
+environment tunable) nothing is pinned, and a user's `MALLOC_TRIM_THRESHOLD_` keeps the
+trim threshold. Nothing happens where the C library is not glibc.
 """
 
 from __future__ import annotations
@@ -30,8 +39,11 @@ from typing import Any
 logger = logging.getLogger("tandem.worker")
 
 #: The pinned threshold: allocations of this many bytes or more are mapped and unmapped.
-MMAP_THRESHOLD_BYTES = 4 << 20
-#: glibc's `mallopt` parameter number for the mmap threshold (malloc.h).
+MMAP_THRESHOLD_BYTES = 8 << 20
+#: The pinned trim threshold: freed memory at the heap's top beyond this goes back.
+TRIM_THRESHOLD_BYTES = 32 << 20
+#: glibc's `mallopt` parameter numbers (malloc.h).
+M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 
 
@@ -51,13 +63,19 @@ def glibc_function(name: str) -> Any | None:
 
 @functools.cache
 def pin_mmap_threshold() -> bool:
-    """Pin glibc's mmap threshold at `MMAP_THRESHOLD_BYTES` (see the module docstring),
-    once per process. False where the user's `MALLOC_MMAP_THRESHOLD_` stands or there is no
-    glibc `mallopt`."""
+    """Pin glibc's mmap and trim thresholds at `MMAP_THRESHOLD_BYTES` and
+    `TRIM_THRESHOLD_BYTES` (see the module docstring), once per process. False where the
+    user's `MALLOC_MMAP_THRESHOLD_` stands or there is no glibc `mallopt`."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     mallopt = glibc_function("mallopt")
     if mallopt is None or mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1:
         return False
-    logger.debug("worker: glibc mmap threshold pinned at %d bytes", MMAP_THRESHOLD_BYTES)
+    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    logger.debug(
+        "worker: glibc mmap / trim thresholds pinned at %d / %d bytes",
+        MMAP_THRESHOLD_BYTES,
+        TRIM_THRESHOLD_BYTES,
+    )
     return True

@@ -8,9 +8,10 @@ new keys and values at `slot_mapping`, then attends:
 - decodes (one query token per request) and short spans (up to `MAX_SPAN_AS_DECODES`
   query tokens: draft verification), each query token as a decode that sees its causal
   prefix: with the CPU kernel, all at once, reading the pools in place
-  (`cpu_kernels.PagedDecodeKernel`); otherwise sorted by context length and attended in
-  groups of similar length, one batched SDPA per group over the gathered contexts, masked
-  to each query's length. With the CPU kernel, prefill chunks of requests whose context is
+  (`cpu_kernels.PagedDecodeKernel`; the kernel runs the consecutive rows of one request
+  as query tiles that share each key and value load); otherwise sorted by context length
+  and attended in groups of similar length, one batched SDPA per group over the gathered
+  contexts, masked to each query's length. With the CPU kernel, prefill chunks of requests whose context is
   at most `MAX_CONTEXT_AS_KERNEL_DECODES` tokens are attended as decodes too;
 - longer prefill chunks one request at a time (a handful per step), causal with the
   chunk's offset into its context. On CPU (`_prefill_split`): two mask-free flash calls,

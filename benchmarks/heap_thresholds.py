@@ -71,7 +71,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.repeats, args.dtype, args.threads)))
         return
-    from tandem.models.cpu_features import cpu_flags
+    from tandem.models.cpu_features import cpu_flags, cpu_model_name
 
     results: dict[str, list[dict[str, float]]] = {}
     for _ in range(args.rounds):
@@ -95,13 +95,8 @@ def main() -> None:
         }
         for setting, runs in results.items()
     }
-    model = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-         if line.startswith("model name")),
-        "unknown",
-    )  # fmt: skip
     document = {
-        "cpu": model,
+        "cpu": cpu_model_name(),
         "cpu_flags": sorted(cpu_flags()),
         "dtype": args.dtype,
         "threads": args.threads,

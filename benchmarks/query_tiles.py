@@ -23,18 +23,11 @@ from pathlib import Path
 
 import torch
 
-from tandem.models.cpu_features import cpu_flags
+from tandem.models.cpu_features import cpu_flags, cpu_model_name
 from tandem.models.cpu_kernels import paged_decode_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def main() -> None:
@@ -88,7 +81,7 @@ def main() -> None:
                 f"max |difference| {row['max_abs_difference']:.1e}"
             )
     document = {
-        "cpu": cpu_model(),
+        "cpu": cpu_model_name(),
         "cpu_flags": sorted(cpu_flags()),
         "threads": args.threads,
         "repeats": args.repeats,

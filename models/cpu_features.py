@@ -29,18 +29,29 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     return frozenset()
 
 
-def cpu_vendor(cpuinfo: str | None = None) -> str:
-    """The first processor's `vendor_id` in `/proc/cpuinfo` (`GenuineIntel`,
-    `AuthenticAMD`, ...; "" where there is none)."""
+def _first_field(key: str, cpuinfo: str | None) -> str:
+    """The first processor's `key` field in `/proc/cpuinfo` ("" where there is none)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             return ""
     for line in cpuinfo.splitlines():
-        if line.startswith("vendor_id") and ":" in line:
-            return line.split(":", 1)[1].strip()
+        name, sep, value = line.partition(":")
+        if sep and name.strip() == key:
+            return value.strip()
     return ""
+
+
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The first processor's `vendor_id` in `/proc/cpuinfo` (`GenuineIntel`,
+    `AuthenticAMD`, ...; "" where there is none)."""
+    return _first_field("vendor_id", cpuinfo)
+
+
+def cpu_model_name(cpuinfo: str | None = None) -> str:
+    """The first processor's `model name` in `/proc/cpuinfo` ("" where there is none)."""
+    return _first_field("model name", cpuinfo)
 
 
 def has_bf16_units(flags: frozenset[str] | None = None) -> bool:

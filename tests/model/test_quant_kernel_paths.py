@@ -174,3 +174,15 @@ def test_the_wide_tile_is_preferred_on_avx512_except_amd() -> None:
         "AuthenticAMD"
     )
     assert cpu_vendor("processor\t: 0\n") == ""
+
+
+def test_cpuinfo_fields_come_from_the_first_processor() -> None:
+    from tandem.models.cpu_features import cpu_model_name, cpu_vendor
+
+    cpuinfo = (
+        "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Xeon: Gold 6 (R)\n\n"
+        "processor\t: 1\nvendor_id\t: AuthenticAMD\nmodel name\t: EPYC\n"
+    )
+    assert cpu_model_name(cpuinfo) == "Xeon: Gold 6 (R)"
+    assert cpu_vendor(cpuinfo) == "GenuineIntel"
+    assert cpu_model_name("processor\t: 0\n") == ""

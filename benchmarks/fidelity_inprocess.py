@@ -26,17 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from simulate_fidelity import prompt_seed, real_config, sim_config, summary_of, traffic_at  # noqa: E402
 
 from tandem.core.engine_core import EngineCore  # noqa: E402
-from tandem.core.request import Request  # noqa: E402
 from tandem.plugins.cost_models.calibrated import load_fit  # noqa: E402
-from tandem.schema.sampling_params import SamplingParams  # noqa: E402
 from tandem.simulate.driver import simulate  # noqa: E402
 from tandem.simulate.report import RequestTimeline  # noqa: E402
-from tandem.simulate.traffic import TrafficRequest, prompt_token_ids  # noqa: E402
+from tandem.simulate.trace_profile import traffic_request  # noqa: E402
+from tandem.simulate.traffic import TrafficRequest  # noqa: E402
 
 
 def replay(engine: EngineCore, traffic: list[TrafficRequest], seed: int) -> list[RequestTimeline]:
     """Timelines of `traffic` replayed in-process on the real clock."""
-    vocab = engine.config.model.vocab_size or 2
     timelines = {
         f"r{i}": RequestTimeline(f"r{i}", t.arrival_s, t.prompt_tokens)
         for i, t in enumerate(traffic)
@@ -45,14 +43,7 @@ def replay(engine: EngineCore, traffic: list[TrafficRequest], seed: int) -> list
     while sent < len(traffic) or engine.has_work():
         now = time.monotonic() - start
         while sent < len(traffic) and traffic[sent].arrival_s <= now:
-            entry = traffic[sent]
-            params = SamplingParams(
-                temperature=0.0, max_tokens=entry.output_tokens, ignore_eos=True
-            )
-            ids = prompt_token_ids(entry, sent, vocab, seed)
-            engine.add_request(
-                Request(request_id=f"r{sent}", prompt_token_ids=ids, sampling_params=params)
-            )
+            engine.add_request(traffic_request(engine, f"r{sent}", traffic[sent], sent, seed))
             sent += 1
         if not engine.has_work():
             time.sleep(max(0.0, traffic[sent].arrival_s - (time.monotonic() - start)))

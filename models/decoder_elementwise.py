@@ -197,6 +197,24 @@ class FusedElementwise:
         )  # fmt: skip
         return out
 
+    def rope_bf16(
+        self,
+        qkv: torch.Tensor,
+        table: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        q_heads: int,
+        kv_heads: int,
+    ) -> torch.Tensor:
+        """`qkv.float()` (bfloat16 in) with `rope_` applied, in one pass."""
+        qkv = qkv.contiguous()
+        cos, sin, index = table
+        out = torch.empty(qkv.shape, dtype=torch.float32)
+        self.lib.tandem_rope_bf16(
+            qkv.data_ptr(), out.data_ptr(), index.contiguous().data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), qkv.shape[0], qkv.shape[1], q_heads, kv_heads, cos.shape[1],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
     def silu_mul_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate_up = gate_up.contiguous()
         rows, width = gate_up.shape

@@ -415,13 +415,15 @@ class FusedDecoder:
         ew: Elementwise,
         rope_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         meta: PagedAttentionMetadata,
+        rotated: bool = False,
     ) -> torch.Tensor:
         """The attention output `[T, q_size]` of one layer from its QKV projection's output
-        (per-head norms and RoPE applied in place first)."""
+        (per-head norms and RoPE applied in place first, unless `rotated`: already done)."""
         tokens = qkv.shape[0]
-        if layer.q_norm is not None:
-            self._norm_heads_(qkv, layer, tokens)
-        ew.rope_(qkv, rope_rows, self.num_heads, self.num_kv_heads)
+        if not rotated:
+            if layer.q_norm is not None:
+                self._norm_heads_(qkv, layer, tokens)
+            ew.rope_(qkv, rope_rows, self.num_heads, self.num_kv_heads)
         q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
             tokens, self.num_kv_heads, self.head_dim
@@ -454,8 +456,12 @@ class FusedDecoder:
         x = ew.rms_norm_bf16(h, self.layers[0].ln_in, self.eps)
         last = len(self.layers) - 1
         for i, (layer, next_norm) in enumerate(zip(self.layers, norm_weights, strict=True)):
-            qkv = layer.qkv.call_bf16(x).float()  # type: ignore[attr-defined]
-            attn = self._attention(layer, qkv, ew, rope_rows, meta)
+            qkv_bf16 = layer.qkv.call_bf16(x)  # type: ignore[attr-defined]
+            if layer.q_norm is None:  # widened and rotated in one pass
+                qkv = ew.rope_bf16(qkv_bf16, rope_rows, self.num_heads, self.num_kv_heads)
+                attn = self._attention(layer, qkv, ew, rope_rows, meta, rotated=True)
+            else:
+                attn = self._attention(layer, qkv_bf16.float(), ew, rope_rows, meta)
             o = layer.o.call_bf16(attn.to(torch.bfloat16))  # type: ignore[attr-defined]
             x = ew.add_rms_norm_bf16_(h, o, layer.ln_post, self.eps, torch.bfloat16)
             act = ew.silu_mul_bf16(layer.gate_up.call_bf16(x))  # type: ignore[attr-defined]

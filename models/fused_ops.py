@@ -24,7 +24,7 @@ from tandem.models.cpu_kernels import load_library
 
 logger = logging.getLogger("tandem.worker")
 
-FUSED_OPS_ABI = 2
+FUSED_OPS_ABI = 3
 
 
 def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
@@ -84,18 +84,52 @@ class FusedOps:
         place by the rows `positions` of `cos`/`sin [num_positions, head_dim]`."""
         for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin)):
             _check(name, t)
-        head_dim = cos.shape[1]
-        if (q_heads + kv_heads) * head_dim > qkv.shape[1] or sin.shape != cos.shape:
+        positions = self._checked_positions(qkv, positions, cos, sin, q_heads, kv_heads)
+        self.library.tandem_rope_f32(
+            qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            qkv.shape[0], qkv.shape[1], q_heads, kv_heads, cos.shape[1], torch.get_num_threads(),
+        )  # fmt: skip
+
+    @staticmethod
+    def _checked_positions(
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_heads: int,
+        kv_heads: int,
+    ) -> torch.Tensor:
+        """`positions` made contiguous, after checking the rope arguments' shapes and range."""
+        if (q_heads + kv_heads) * cos.shape[1] > qkv.shape[1] or sin.shape != cos.shape:
             raise ValueError("rope: qkv rows are narrower than the rotated heads")
         if positions.dtype != torch.int64 or positions.shape != (qkv.shape[0],):
             raise ValueError("positions: expected int64 [rows]")
         positions = positions.contiguous()
         if positions.numel() and int(positions.max()) >= cos.shape[0]:
             raise ValueError(f"positions: beyond the {cos.shape[0]} cached rotary positions")
-        self.library.tandem_rope_f32(
-            qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            qkv.shape[0], qkv.shape[1], q_heads, kv_heads, head_dim, torch.get_num_threads(),
+        return positions
+
+    def rope_bf16(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_heads: int,
+        kv_heads: int,
+    ) -> torch.Tensor:
+        """`qkv.float()` with `rope_` applied, in one pass, for a bfloat16 `qkv [rows, width]`
+        (a new float32 tensor; `qkv` is not changed)."""
+        _check("qkv", qkv, torch.bfloat16)
+        for name, t in (("cos", cos), ("sin", sin)):
+            _check(name, t)
+        positions = self._checked_positions(qkv, positions, cos, sin, q_heads, kv_heads)
+        out = torch.empty(qkv.shape, dtype=torch.float32)
+        self.library.tandem_rope_bf16(
+            qkv.data_ptr(), out.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            qkv.shape[0], qkv.shape[1], q_heads, kv_heads, cos.shape[1], torch.get_num_threads(),
         )  # fmt: skip
+        return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`silu(gate) * up` where each row of `gate_up [rows, 2 * cols]` is `[gate | up]`."""
@@ -165,6 +199,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "tandem_rms_norm_bf16": [ptr, ptr, ptr, i64, i64, f32, i32],
         "tandem_add_rms_norm_bf16": [ptr, ptr, ptr, ptr, i32, i64, i64, f32, i32],
         "tandem_silu_mul_bf16": [ptr, ptr, i64, i64, i32],
+        "tandem_rope_bf16": [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32],
     }
     for name, argtypes in signatures.items():
         function = getattr(library, name)

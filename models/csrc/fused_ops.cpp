@@ -6,6 +6,8 @@
 //   rope          q, k inside the fused QKV output rotated in place by the cos/sin rows
 //                 of each token's position (rotate-half / NeoX layout)     (10 torch ops)
 //   silu_mul      out = silu(gate) * up, gate_up = [gate | up] per row       (3 torch ops)
+//   rope_bf16     a bf16 GEMM's qkv widened to float32 with q, k rotated as `rope` does, in
+//                 one pass (`.float()` then `rope`)
 // The arithmetic follows the torch expressions term by term (same products, same order
 // of the final multiplications); only the reduction order of mean(x^2) differs, so
 // results match torch to float rounding, not bit for bit.
@@ -84,7 +86,7 @@ struct RowBuffer {
 
 }  // namespace
 
-extern "C" int tandem_fused_ops_abi_version() { return 2; }
+extern "C" int tandem_fused_ops_abi_version() { return 3; }
 
 extern "C" void tandem_rms_norm_f32(const float* x, const float* w, float* out, int64_t rows,
                                     int64_t cols, float eps, int num_threads) {
@@ -129,6 +131,34 @@ extern "C" void tandem_rope_f32(float* qkv, const int64_t* positions, const floa
         x[i + half] = b * c[i + half] + a * s[i + half];
       }
     }
+  }
+}
+
+// qkv: bfloat16 [rows, width] (a bf16 GEMM's output); out: float32 [rows, width], the same
+// values widened, with the first q_heads + kv_heads heads of each row rotated by the same
+// expressions as tandem_rope_f32 (so out equals widening then tandem_rope_f32, bit for bit).
+extern "C" void tandem_rope_bf16(const uint16_t* qkv, float* out, const int64_t* positions,
+                                 const float* cos, const float* sin, int64_t rows, int64_t width,
+                                 int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                 int num_threads) {
+  const int64_t half = head_dim / 2;
+  const int64_t rotated = (q_heads + kv_heads) * head_dim;
+#pragma omp parallel for num_threads(num_threads) if (rows * width >= kParallelMinFloats)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos + positions[r] * head_dim;
+    const float* s = sin + positions[r] * head_dim;
+    const uint16_t* x = qkv + r * width;
+    float* o = out + r * width;
+    for (int64_t h = 0; h < rotated; h += head_dim) {
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = bf16_to_float(x[h + i]);
+        const float b = bf16_to_float(x[h + i + half]);
+        o[h + i] = a * c[i] + (-b) * s[i];
+        o[h + i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+    widen(x + rotated, o + rotated, width - rotated);
   }
 }
 

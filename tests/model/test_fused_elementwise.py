@@ -196,3 +196,38 @@ def test_rope_scaled_models_match_transformers(rope: str, tmp_path: Path, hf_gre
     outs = llm.generate(prompts, [params] * len(prompts))
     for prompt, out in zip(prompts, outs, strict=True):
         assert list(out.outputs[0].token_ids) == hf_greedy(model_dir, prompt, 12, min_gap=0.02)
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 5, 2048])
+def test_rope_bf16_equals_widening_then_the_float32_rope(
+    fused: FusedElementwise, rows: int, threads: int
+) -> None:
+    """The bf16 path's one-pass rope: a bf16 GEMM's qkv widened with q and k rotated gives
+    the bits of `.float()` followed by the float32 kernel; the value heads are only widened."""
+    assert OPS is not None
+    q_heads, kv_heads, head_dim = 9, 3, 64
+    width = (q_heads + 2 * kv_heads) * head_dim
+    gen = torch.Generator().manual_seed(rows)
+    qkv = (3 * torch.randn(rows, width, generator=gen)).bfloat16()
+    positions = torch.randint(0, 100, (rows,), generator=gen)
+    angles = torch.rand(100, head_dim, generator=gen) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        want = qkv.float()
+        OPS.rope_(want, positions, cos, sin, q_heads, kv_heads)
+        got = OPS.rope_bf16(qkv, positions, cos, sin, q_heads, kv_heads)
+        assert torch.equal(got, want)
+        index = torch.arange(rows)
+        table = (cos[positions], sin[positions], index)
+        assert torch.equal(fused.rope_bf16(qkv, table, q_heads, kv_heads), want)
+        assert not torch.equal(want[:, : q_heads * head_dim], qkv[:, : q_heads * head_dim].float())
+    finally:
+        torch.set_num_threads(previous)
+    with pytest.raises(ValueError, match="qkv: expected a bfloat16 CPU tensor"):
+        OPS.rope_bf16(qkv.float(), positions, cos, sin, q_heads, kv_heads)
+    with pytest.raises(ValueError, match="positions: beyond the 100 cached"):
+        OPS.rope_bf16(qkv, positions + 100, cos, sin, q_heads, kv_heads)

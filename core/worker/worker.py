@@ -17,7 +17,7 @@ from tandem.core.worker import parallel_state
 from tandem.core.worker.block_diffusion import is_block_diffusion
 from tandem.core.worker.cpu_affinity import allowed_cpus
 from tandem.core.worker.diffusion_runner import DiffusionRunner
-from tandem.core.worker.host_heap import pin_mmap_threshold
+from tandem.core.worker.host_heap import pin_mmap_threshold, trim_threshold_for
 from tandem.core.worker.kv_memory import fitting_blocks
 from tandem.core.worker.kv_transfer import KVTransfer
 from tandem.core.worker.load_governor import LoadGovernor
@@ -34,7 +34,7 @@ class Worker:
 
     def __init__(self, config: EngineConfig, model: StepModel | None = None) -> None:
         set_worker_threads(config)
-        pin_mmap_threshold()
+        pin_mmap_threshold(trim_threshold_for(config.model.dtype))
         self.config = config
         self.plugin_manager = TandemPluginManager(config, side="worker", source=config.source)
         self.model = model if model is not None else load_step_model(config)

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from tandem.core.worker.host_heap import glibc_function
+from tandem.core.worker.host_heap import TRIM_THRESHOLD_BYTES, glibc_function, trim_threshold_for
 
 pytestmark = pytest.mark.skipif(
     glibc_function("mallopt") is None or not os.path.exists("/proc/self/status"),
@@ -80,11 +80,67 @@ def test_the_users_environment_setting_stands() -> None:
 
 
 def test_a_worker_pins_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Building a worker (the scripted model, in this process) pins the threshold."""
+    """Building a worker (the scripted model, in this process) pins the thresholds, the
+    trim threshold by the model's dtype."""
     from tandem.core.worker import worker as worker_module
     from tandem.testing.engine import scripted_config
 
     calls: list[int] = []
-    monkeypatch.setattr(worker_module, "pin_mmap_threshold", lambda: calls.append(1) or True)
+    monkeypatch.setattr(worker_module, "pin_mmap_threshold", lambda trim: calls.append(trim))
     worker_module.Worker(scripted_config())
-    assert calls == [1]
+    assert calls == [TRIM_THRESHOLD_BYTES]
+
+
+def test_half_precision_models_keep_a_larger_heap_top() -> None:
+    assert trim_threshold_for("bfloat16") == trim_threshold_for("float16") == 64 << 20
+    assert trim_threshold_for("float32") == trim_threshold_for("auto") == 32 << 20
+
+
+#: Eight 6 MB blocks from glibc's malloc (each under the 8 MiB mmap threshold: heap
+#: memory, nothing allocated between them), written, then freed top first: each free joins
+#: the heap's free top, and what stays resident depends on the trim threshold.
+TRIM_PROBE = textwrap.dedent(
+    """
+    import ctypes
+    import sys
+    from tandem.core.worker.host_heap import glibc_function, pin_mmap_threshold
+
+    def rss_mb():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+
+    assert pin_mmap_threshold(int(sys.argv[1]))
+    malloc, free, memset = (glibc_function(n) for n in ("malloc", "free", "memset"))
+    malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    free.argtypes = [ctypes.c_void_p]
+    memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    before = rss_mb()
+    blocks = [malloc(6 << 20) for _ in range(8)]
+    for block in blocks:
+        memset(block, 1, 6 << 20)
+    for block in reversed(blocks):
+        free(block)
+    print(rss_mb() - before)
+    """
+)
+
+
+@pytest.mark.parametrize("trim_mib,kept", [(32, False), (64, True)])
+def test_the_trim_threshold_decides_whether_a_freed_heap_top_stays(
+    trim_mib: int, kept: bool
+) -> None:
+    """48 MB freed at the heap's top: given back at a 32 MiB trim threshold (what stays is
+    the last frees' 12 MB, under the threshold), kept whole at 64 MiB."""
+    drop = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    environment = {k: v for k, v in os.environ.items() if k not in drop}
+    done = subprocess.run(
+        [sys.executable, "-c", TRIM_PROBE, str(trim_mib << 20)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environment,
+        check=True,
+    )
+    growth = float(done.stdout.split()[-1])
+    assert (growth > 40) == kept, growth

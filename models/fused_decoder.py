@@ -397,7 +397,8 @@ class FusedDecoder:
         else:
             x = ew.rms_norm(h, self.layers[0].ln_in, self.eps) if self.layers else h
             for layer, next_norm in zip(self.layers, norm_weights, strict=True):
-                attn = self._attention(layer, layer.qkv(x).contiguous(), ew, rope_rows, meta)
+                qkv = self._rotate_(layer, layer.qkv(x).contiguous(), ew, rope_rows)
+                attn = self._attention(layer, qkv, meta)
                 o = self.reduce(layer.o(attn))
                 x = ew.add_rms_norm_(h, o, layer.ln_post, self.eps)
                 down = self.reduce(layer.down(ew.silu_mul(layer.gate_up(x))))
@@ -408,22 +409,25 @@ class FusedDecoder:
             return None
         return x if self.layers else ew.rms_norm(h, self.norm_weight, self.eps)
 
-    def _attention(
+    def _rotate_(
         self,
         layer: _Layer,
         qkv: torch.Tensor,
         ew: Elementwise,
         rope_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        meta: PagedAttentionMetadata,
-        rotated: bool = False,
     ) -> torch.Tensor:
-        """The attention output `[T, q_size]` of one layer from its QKV projection's output
-        (per-head norms and RoPE applied in place first, unless `rotated`: already done)."""
+        """`qkv` (a layer's QKV projection output) with the per-head norms and RoPE applied
+        in place; returns it."""
+        if layer.q_norm is not None:
+            self._norm_heads_(qkv, layer, qkv.shape[0])
+        ew.rope_(qkv, rope_rows, self.num_heads, self.num_kv_heads)
+        return qkv
+
+    def _attention(
+        self, layer: _Layer, qkv: torch.Tensor, meta: PagedAttentionMetadata
+    ) -> torch.Tensor:
+        """The attention output `[T, q_size]` of one layer from its rotated QKV (`_rotate_`)."""
         tokens = qkv.shape[0]
-        if not rotated:
-            if layer.q_norm is not None:
-                self._norm_heads_(qkv, layer, tokens)
-            ew.rope_(qkv, rope_rows, self.num_heads, self.num_kv_heads)
         q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
             tokens, self.num_kv_heads, self.head_dim
@@ -459,9 +463,9 @@ class FusedDecoder:
             qkv_bf16 = layer.qkv.call_bf16(x)  # type: ignore[attr-defined]
             if layer.q_norm is None:  # widened and rotated in one pass
                 qkv = ew.rope_bf16(qkv_bf16, rope_rows, self.num_heads, self.num_kv_heads)
-                attn = self._attention(layer, qkv, ew, rope_rows, meta, rotated=True)
             else:
-                attn = self._attention(layer, qkv_bf16.float(), ew, rope_rows, meta)
+                qkv = self._rotate_(layer, qkv_bf16.float(), ew, rope_rows)
+            attn = self._attention(layer, qkv, meta)
             o = layer.o.call_bf16(attn.to(torch.bfloat16))  # type: ignore[attr-defined]
             x = ew.add_rms_norm_bf16_(h, o, layer.ln_post, self.eps, torch.bfloat16)
             act = ew.silu_mul_bf16(layer.gate_up.call_bf16(x))  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ from tandem.core.worker.input_batch import RequestState
 from tandem.core.worker.sampling_inputs import blocked_tokens
 from tandem.core.worker.sampling_metadata import SamplingMetadata
 from tandem.llm import LLM
-from tandem.plugins.default_sampler import DefaultSampler, apply_penalties
+from tandem.plugins.default_sampler import DefaultSampler, apply_penalties, greedy_tokens
 from tandem.schema.sampling_params import SamplingParams
 from tandem.stack_file import load_config
 from tandem.testing.tiny_model import TINY_VOCAB
@@ -584,3 +584,16 @@ def test_bad_words_strings_are_blocked_on_a_real_tokenizer(smollm2_llm) -> None:
         f"bad_words=['Paris'] ignored: output {out[0].outputs[0].text!r} still has token "
         f"{paris[-1]} (' Paris')"
     )
+
+
+def test_greedy_tokens_are_argmaxs_first_maximum_with_ties_inf_and_nan() -> None:
+    """`greedy_tokens` (max's indices, the faster op) picks what `argmax(dim=1)` picks."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 3, (16, 4099), generator=gen).float()  # many ties per row
+    logits[:, ::5] = float("-inf")
+    logits[1] = float("-inf")
+    logits[2, 7] = logits[2, 4000] = float("inf")
+    logits[3, 100] = float("nan")
+    logits[4, 9] = logits[4, 10] = float("nan")
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=1))
+    assert greedy_tokens(logits)[3].item() == 100 and greedy_tokens(logits)[2].item() == 7

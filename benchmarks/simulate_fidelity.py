@@ -1,6 +1,6 @@
 """How well does `tandem simulate` predict the real engine? Predicted vs measured on this CPU.
 
-    python benchmarks/simulate_fidelity.py [--fit FIT.json | --calibrate-seconds 180
+    python benchmarks/simulate_fidelity.py [--fit FIT.json | --calibrations 3 --calibrate-seconds 90
         --calibrate-rates 1,inf]
         [--threads 1] [--requests 48] [--prompt 16,128] [--output 16,64] [--seed 0]
         [--rates auto | R1,R2,R3] [--modes sync,async] [--repeats 3]
@@ -12,17 +12,22 @@ would find its prompts in the prefix cache), at three rates (`auto`: 0.5x, 0.8x 
 the saturation rate the calibrated simulation predicts for a burst, sync), under
 synchronous and asynchronous scheduling.
 
-- Fit: `tandem simulate calibrate --threads T --max-seconds S --traffic ...` in a child
-  process (or `--fit`), written to benchmarks/results/simulate_fidelity_fit.json. The
-  traffic it replays after its grid (`--calibrate-rates`, default 1 req/s and a burst) has
-  the trace's length distributions but another seed, so no calibration step is a step of
-  a measured run: a user calibrates with traffic like what they will simulate.
+- Fit: `--calibrations` runs of `tandem simulate calibrate --threads T --max-seconds S
+  --traffic ...`, each in its own child process, merged (`calibrate --merge`: one fit over
+  all their points) into benchmarks/results/simulate_fidelity_fit.json (or `--fit`). One
+  process can run the same steps ~10% slower than another for its whole life
+  (`fidelity_processes.py`), so one calibration carries its process's luck into the fit;
+  pooling several averages it out. The traffic each replays after its grid
+  (`--calibrate-rates`, default 1 req/s and a burst) has the trace's length distributions
+  but another seed (one per calibration), so no calibration step is a step of a measured
+  run: a user calibrates with traffic like what they will simulate.
 - Measured: `fidelity_replay.replay` (open loop through `AsyncLLM`, the engine core in its
-  own process as `tandem serve` runs it; its docstring says why), one engine per mode, a
-  warm-up first, then `--repeats` rounds over the rates (interleaved), with a speed probe
-  (`fidelity_probe`) before and after each run. The measured figure is the median over
-  the repeats, with its spread (min, max) beside it: near saturation queueing amplifies
-  the machine's drift, so one run is not a figure to hold a prediction to.
+  own process as `tandem serve` runs it; its docstring says why), `--repeats` rounds per
+  mode, each round a fresh `AsyncLLM` (a new engine-core process, warmed up) running the
+  rates in turn, with a speed probe (`fidelity_probe`) before and after each run. The
+  measured figure is the median over the repeats, with its spread (min, max) beside it:
+  the median spans as many engine processes as rounds, and near saturation queueing
+  amplifies the machine's drift, so one run is not a figure to hold a prediction to.
 - Predicted: `tandem.simulate.driver.simulate` on the same stack (the scripted model in the
   real model's place: same vocabulary, max_model_len, KV pool and limits) plus the
   `calibrated-cost` plugin with the fit, and the fit's `EngineTime`; the same traffic list.
@@ -85,13 +90,29 @@ METRICS: tuple[tuple[str, str | None], ...] = (
 )
 
 
-def calibration_traffic(args: argparse.Namespace) -> list[str]:
+def calibration_traffic(args: argparse.Namespace, calibration: int = 0) -> list[str]:
     """The traffic `calibrate --traffic` replays (`--calibrate-rates`): the trace's length
     distributions with another seed (other arrivals, lengths and prompts than any measured
-    run) at rates that are not the measured ones."""
+    run; one per `calibration`) at rates that are not the measured ones."""
     rates = [r for r in args.calibrate_rates.split(",") if r]
-    other = argparse.Namespace(**vars(args) | {"seed": args.seed + CALIBRATION_SEED_OFFSET})
+    seed = args.seed + CALIBRATION_SEED_OFFSET + 100 * calibration
+    other = argparse.Namespace(**vars(args) | {"seed": seed})
     return [traffic_spec(other, float(rate)) for rate in rates]
+
+
+def pooled_fit(args: argparse.Namespace, path: Path, scratch: Path) -> CalibrationFit:
+    """`args.calibrations` calibrations, each in its own child process, merged into one fit
+    at `path` (a single calibration is written there directly)."""
+    if args.calibrations == 1:
+        return calibrate_fit(path, args.calibrate_seconds, args.threads, calibration_traffic(args))
+    parts = [scratch / f"calibration-{k}.json" for k in range(args.calibrations)]
+    for k, part in enumerate(parts):
+        print(f"calibration {k + 1} of {len(parts)}", flush=True)
+        calibrate_fit(part, args.calibrate_seconds, args.threads, calibration_traffic(args, k))
+    command = [sys.executable, "-m", "tandem.cli", "simulate", "calibrate", "--quiet"]
+    command += ["--out", str(path), "--merge", *map(str, parts)]
+    subprocess.run(command, check=True)
+    return load_fit(path)
 
 
 def calibrate_fit(
@@ -194,41 +215,50 @@ def measure(
     traffics: dict[float, list[TrafficRequest]],
     probe: SpeedProbe,
 ) -> dict[float, list[dict[str, Any]]]:
-    """Replay each rate's traffic `args.repeats` times into one `AsyncLLM` of the mode
-    (warmed up first), the rates interleaved (r1, r2, r3, r1, ...) so a drift of the
-    machine's speed spreads over every rate; a speed probe before and after each run
-    (`probe_factors`: [before, after]). Each repeat draws fresh prompt ids
+    """Replay each rate's traffic `args.repeats` times, one round over the rates per fresh
+    `AsyncLLM` of the mode (its own engine-core process, warmed up first), the rates
+    interleaved (r1, r2, r3, r1, ...) so a drift of the machine's speed spreads over every
+    rate and each rate's repeats run in as many processes; a speed probe before and after
+    each run (`probe_factors`: [before, after]). Each repeat draws fresh prompt ids
     (`prompt_seed`), so no run finds an earlier run's prompts in the prefix cache."""
-    llm = AsyncLLM(model="default", async_scheduling=async_, worker_num_threads=args.threads)
-    vocab = llm.config.model.vocab_size or 0
     out: dict[float, list[dict[str, Any]]] = {rate: [] for rate in traffics}
-    rates = list(traffics)
-
-    async def run_all() -> None:
-        await warm_up(llm, vocab)
-        before = probe.factor()
-        for repeat in range(args.repeats):
-            for rate, traffic in traffics.items():
-                load = os.getloadavg()[0]
-                seed = prompt_seed(args, rate, rates, repeat)
-                run = await replay(llm, traffic, vocab, seed)
-                after = probe.factor()
-                summary = summary_of(run.timelines) | {
-                    "wall_s": run.wall_s,
-                    "max_send_lateness_s": run.max_send_lateness_s,
-                    "load_average_1m_before": load,
-                    "probe_factors": [before, after],
-                }
-                out[rate].append(summary)
-                before = after
-                print(f"  measured {rate:.3g} req/s #{repeat}: {brief(summary)}", flush=True)
-                print(f"    probe factors {summary['probe_factors']}, load {load:.2f}", flush=True)
-
-    try:
-        asyncio.run(run_all())
-    finally:
-        llm.shutdown()
+    for repeat in range(args.repeats):
+        llm = AsyncLLM(model="default", async_scheduling=async_, worker_num_threads=args.threads)
+        try:
+            asyncio.run(measure_round(llm, repeat, args, traffics, probe, out))
+        finally:
+            llm.shutdown()
     return out
+
+
+async def measure_round(
+    llm: AsyncLLM,
+    repeat: int,
+    args: argparse.Namespace,
+    traffics: dict[float, list[TrafficRequest]],
+    probe: SpeedProbe,
+    out: dict[float, list[dict[str, Any]]],
+) -> None:
+    """One round of `measure`: warm `llm` up, then each rate once, appended to `out`."""
+    vocab = llm.config.model.vocab_size or 0
+    rates = list(traffics)
+    await warm_up(llm, vocab)
+    before = probe.factor()
+    for rate, traffic in traffics.items():
+        load = os.getloadavg()[0]
+        seed = prompt_seed(args, rate, rates, repeat)
+        run = await replay(llm, traffic, vocab, seed)
+        after = probe.factor()
+        summary = summary_of(run.timelines) | {
+            "wall_s": run.wall_s,
+            "max_send_lateness_s": run.max_send_lateness_s,
+            "load_average_1m_before": load,
+            "probe_factors": [before, after],
+        }
+        out[rate].append(summary)
+        before = after
+        print(f"  measured {rate:.3g} req/s #{repeat}: {brief(summary)}", flush=True)
+        print(f"    probe factors {summary['probe_factors']}, load {load:.2f}", flush=True)
 
 
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -303,7 +333,15 @@ def print_table(rows: list[dict[str, Any]], prediction: str) -> None:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--fit", type=Path, help="an existing fit (default: calibrate first)")
-    p.add_argument("--calibrate-seconds", type=float, default=180.0)
+    p.add_argument(
+        "--calibrate-seconds", type=float, default=90.0, help="grid budget per calibration"
+    )
+    p.add_argument(
+        "--calibrations",
+        type=int,
+        default=3,
+        help="calibrations, each in its own process, merged into one fit",
+    )
     p.add_argument(
         "--calibrate-rates",
         default="1,inf",
@@ -366,17 +404,12 @@ def main() -> None:
     args = parse_args()
     started, load_before = time.monotonic(), os.getloadavg()
     fit_path = args.fit or RESULTS / "simulate_fidelity_fit.json"
-    if args.fit:
-        fit = load_fit(fit_path)
-    else:
-        fit = calibrate_fit(
-            fit_path, args.calibrate_seconds, args.threads, calibration_traffic(args)
-        )
-    sync_config = real_config(False, args.threads)
-    probe = SpeedProbe(sync_config)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
+        fit = load_fit(fit_path) if args.fit else pooled_fit(args, fit_path, scratch)
+        sync_config = real_config(False, args.threads)
+        probe = SpeedProbe(sync_config)
         saturation = saturation_rate(sync_config, fit, args, scratch)
         if args.rates == "auto":
             rates = [round(f * saturation, 3) for f in RATE_FACTORS]

@@ -2,6 +2,7 @@
 
     tandem simulate calibrate [--config STACK.yaml] [--out fit.json] [--max-seconds 300]
         [--threads N] [--repeats 3] [--seed 0] [--traffic SPEC ...] [--quiet]
+    tandem simulate calibrate --merge FIT.json FIT.json ... [--out fit.json] [--quiet]
 
 Builds the real engine for the stack (default: the embedded model, `model: default`) with
 synchronous scheduling, times its steps over a grid of batch shapes for at most
@@ -24,6 +25,12 @@ relative error), and writes the fit file (`--out`, default `fit.json`;
 `plugins/cost_models/calibrated.py` documents it). Use it with
 `plugins: [..., {name: calibrated-cost, options: {fit: fit.json}}]` in a stack given to
 `tandem simulate`, and the printed `--engine-time`.
+
+`--merge` loads no model: it refits the union of the points of fit files made by separate
+calibrations of the same stack on the same device (`merge_fits`). On a shared machine one
+process runs the same steps up to ~10% slower than another, for its whole life (where its
+memory landed; `benchmarks/fidelity_processes.py` measures the spread), so a fit from one
+process carries that process's luck; pooled calibrations average it out.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from typing import Any, TextIO
 
 from tandem.config_resolution import resolve_config
 from tandem.core.engine_core import EngineCore
-from tandem.plugins.cost_models.calibrated import CalibrationFit, save_fit
+from tandem.plugins.cost_models.calibrated import CalibrationFit, load_fit, save_fit
 from tandem.plugins.cost_models.linear_fit import FIT_FEATURES, LinearFit, fit_nonnegative, select
 from tandem.schema.config import EngineConfig
 from tandem.simulate.step_profile import GridProfiler, StepSample
@@ -199,15 +206,36 @@ def calibrate(
     finally:
         engine.shutdown()
     points = grid_points(samples)
+    profile = {
+        "max_seconds": max_seconds,
+        "elapsed_s": time.monotonic() - start,
+        "repeats": repeats,
+        "seed": seed,
+        "skipped": profiler.skipped,
+        "traffic": list(traffic),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+    }
+    origin = {"device": describe_device(config), "model": config.model.model}
+    fit = fit_file(points, origin | {"stack": stack_summary(config)}, len(samples), profile)
+    return fit, points
+
+
+def fit_file(
+    points: list[GridPoint], origin: dict[str, Any], steps: int, profile: Any
+) -> CalibrationFit:
+    """The fit of `points` (`fit_points`) as a fit file's contents: `origin` holds the
+    `device`, `model` and `stack` it was measured on, `steps` the steps timed, `profile`
+    how (one calibration's settings, or a list of them for a merged fit)."""
     device, engine_fit = fit_points(points)
-    fit = CalibrationFit(
+    return CalibrationFit(
         features=FIT_FEATURES,
         coef=device.coef,
         step_s=engine_fit.coef[0],
         per_request_s=engine_fit.coef[1],
-        device=describe_device(config),
-        model=config.model.model,
-        stack=stack_summary(config),
+        device=origin["device"],
+        model=origin["model"],
+        stack=origin["stack"],
         samples=device.samples,
         r2=device.r2,
         median_abs_rel_error=device.median_abs_rel_error,
@@ -216,22 +244,44 @@ def calibrate(
                 "r2": engine_fit.r2,
                 "median_abs_rel_error": engine_fit.median_abs_rel_error,
             },
-            "steps": len(samples),
-            "profile": {
-                "max_seconds": max_seconds,
-                "elapsed_s": time.monotonic() - start,
-                "repeats": repeats,
-                "seed": seed,
-                "skipped": profiler.skipped,
-                "traffic": list(traffic),
-                "load_average_before": load_before,
-                "load_average_after": os.getloadavg(),
-            },
+            "steps": steps,
+            "profile": profile,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "points": [asdict(p) for p in points],
         },
     )
-    return fit, points
+
+
+def merge_fits(fits: Sequence[CalibrationFit]) -> tuple[CalibrationFit, list[GridPoint]]:
+    """One fit over the union of the points of `fits` (calibrations of the same stack on
+    the same device, each from its own process or time), and those points. Every point
+    keeps its weight (`point_weight`): a grid point measured in three calibrations counts
+    three times, once per measurement. ValueError naming `merge` when fewer than two fits
+    are given, a fit has no points (files before points were recorded), or the fits differ
+    in device, model or stack."""
+    if len(fits) < 2:
+        raise ValueError(f"merge: expected at least two fit files, got {len(fits)}")
+    first = fits[0]
+    points: list[GridPoint] = []
+    for k, fit in enumerate(fits):
+        for key in ("device", "model", "stack"):
+            if getattr(fit, key) != getattr(first, key):
+                raise ValueError(
+                    f"merge: fit {k} was measured on another {key} than fit 0 "
+                    f"({getattr(fit, key)!r} vs {getattr(first, key)!r}); merge only "
+                    "calibrations of one stack on one device"
+                )
+        raw = fit.extra.get("points")
+        if not isinstance(raw, list) or not raw:
+            raise ValueError(f"merge: fit {k} records no points to refit")
+        try:
+            points += [GridPoint(**(p | {"features": tuple(p["features"])})) for p in raw]
+        except (TypeError, KeyError) as exc:
+            raise ValueError(f"merge: fit {k} has a malformed point: {exc}") from exc
+    origin = {"device": first.device, "model": first.model, "stack": first.stack}
+    steps = sum(int(fit.extra.get("steps", 0)) for fit in fits)
+    merged = fit_file(points, origin, steps, [fit.extra.get("profile") for fit in fits])
+    return merged, points
 
 
 def print_report(fit: CalibrationFit, points: list[GridPoint], file: TextIO) -> None:
@@ -297,12 +347,28 @@ def parser() -> argparse.ArgumentParser:
         help="after the grid, replay this traffic (tandem simulate's --traffic syntax) on the "
         "real clock and fit its steps too, each counted once; repeatable",
     )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="FIT",
+        help="load no model: refit the union of these fit files' points (calibrations of one "
+        "stack on one device, in separate processes) and write --out",
+    )
     p.add_argument("--quiet", action="store_true", help="print only the fit quality")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.merge:
+        if args.config or args.traffic:
+            raise ValueError("--merge refits existing fit files: it takes no --config or --traffic")
+        fit, points = merge_fits([load_fit(path) for path in args.merge])
+        print_report(fit, [] if args.quiet else points, sys.stdout)
+        save_fit(fit, args.out)
+        print(f"wrote {args.out} (merged {len(args.merge)} fits, {len(points)} points)")
+        return 0
     if args.max_seconds <= 0 or args.repeats < 1 or (args.threads is not None and args.threads < 1):
         raise ValueError("--max-seconds must be > 0, --repeats and --threads >= 1")
     config = profile_config(args.config, args.threads)

@@ -298,3 +298,79 @@ def test_replayed_traffic_runs_every_request_and_times_its_steps(tiny_model_dir)
     # Each request samples its first token after its prefill; the rest are decode steps.
     assert decode_tokens == sum(t.output_tokens - 1 for t in traffic)
     assert lines == [f"traffic:0: 6 requests, {len(samples)} steps replayed"]
+
+
+# Merging calibrations -------------------------------------------------------------------
+
+
+def _fit_with_points(seconds_per_token: float, stack: dict | None = None) -> CalibrationFit:
+    """A fit file's contents whose points are prefills and decodes costing exactly
+    2 ms + `seconds_per_token` x tokens (as `calibrate` records them)."""
+    from dataclasses import asdict
+
+    from tandem.plugins.cost_models.linear_fit import step_features
+    from tandem.simulate.calibrate import GridPoint
+
+    points = []
+    for label, shape in [(f"prefill:{n}", StepShape((n,), (0,), 1)) for n in (8, 32, 128, 512)] + [
+        (f"decode:{b}:64", StepShape((1,) * b, (64,) * b, b)) for b in (1, 4, 16, 64)
+    ]:
+        seconds = 0.002 + seconds_per_token * shape.num_tokens
+        row = tuple(step_features(shape))
+        points.append(
+            asdict(
+                GridPoint(label, shape.num_reqs, shape.num_tokens, row, seconds, 1e-4, seconds, 3)
+            )
+        )
+    return CalibrationFit.from_json(
+        {
+            "version": 1,
+            "features": list(FIT_FEATURES),
+            "coef": [0.0] * len(FIT_FEATURES),
+            "engine_time": {"step_s": 1e-4, "per_request_s": 0.0},
+            "device": "cpu",
+            "model": "m",
+            "stack": stack or {"max_num_seqs": 64},
+            "steps": 24,
+            "points": points,
+        }
+    )
+
+
+def test_merging_two_calibrations_refits_the_union_of_their_points(tmp_path: Path) -> None:
+    from tandem.simulate.calibrate import merge_fits
+
+    slow, fast = _fit_with_points(2e-3), _fit_with_points(1e-3)
+    merged, points = merge_fits([slow, fast])
+    assert len(points) == 16 and merged.extra["steps"] == 48
+    assert len(merged.extra["points"]) == 16 and len(merged.extra["profile"]) == 2
+    for tokens in (8, 32, 128, 512):  # between the two calibrations' exact costs
+        shape = StepShape((tokens,), (0,), 1)
+        price = merged.device_seconds(shape)
+        assert 0.002 + 1e-3 * tokens < price < 0.002 + 2e-3 * tokens
+    alone, _ = merge_fits([slow, slow])  # the same points twice: the same exact fit
+    assert alone.device_seconds(StepShape((100,), (0,), 1)) == pytest.approx(0.202, rel=1e-6)
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for fit, path in zip((slow, fast), paths, strict=True):
+        save_fit(fit, path)
+    out = tmp_path / "merged.json"
+    argv = ["calibrate", "--merge", *map(str, paths), "--out", str(out), "--quiet"]
+    assert simulate_main(argv) == 0
+    assert load_fit(out).coef == pytest.approx(merged.coef, rel=1e-9, abs=1e-15)
+
+
+def test_merging_refuses_other_stacks_missing_points_and_profiling_flags(tmp_path: Path) -> None:
+    from tandem.simulate.calibrate import merge_fits
+
+    base = _fit_with_points(1e-3)
+    with pytest.raises(ValueError, match="merge: fit 1 was measured on another stack"):
+        merge_fits([base, _fit_with_points(1e-3, {"max_num_seqs": 8})])
+    bare = CalibrationFit.from_json(base.to_json() | {"points": []})
+    with pytest.raises(ValueError, match="merge: fit 1 records no points"):
+        merge_fits([base, bare])
+    with pytest.raises(ValueError, match="at least two"):
+        merge_fits([base])
+    path = tmp_path / "a.json"
+    save_fit(base, path)
+    with pytest.raises(ValueError, match="--merge"):
+        simulate_main(["calibrate", "--merge", str(path), str(path), "--traffic", "x"])

@@ -31,10 +31,15 @@ synchronous and asynchronous scheduling.
 - Predicted: `tandem.simulate.driver.simulate` on the same stack (the scripted model in the
   real model's place: same vocabulary, max_model_len, KV pool and limits) plus the
   `calibrated-cost` plugin with the fit, and the fit's `EngineTime`; the same traffic list.
-  Three ways (`PREDICTIONS`): `calibrated` (the virtual device, as `tandem simulate` runs
+  Four ways (`PREDICTIONS`): `calibrated` (the virtual device, as `tandem simulate` runs
   it), `inline` (the inline device: no engine/device overlap, as the `inprocess`
   executor on a CPU; the same as `calibrated` under sync scheduling) and
-  `inline_normalised` (inline, the device coefficients times the run's probe factor).
+  `inline_normalised` (inline, the device coefficients times the run's probe factor) and
+  `served_normalised` (inline, the device coefficients times the run's served-probe
+  factor: a 16-request burst with the trace's lengths sent through the measured `AsyncLLM`
+  itself before and after each run, its makespan against the fit's simulation of the same
+  burst; so it sees the served process's own speed, which the probe, another process,
+  cannot). Neither probe uses the measured run's own timings.
 
 Reported per (mode, rate): TTFT p50/p90, TPOT p50/p90, request and output throughput,
 measured and predicted, and predicted / measured. Writes
@@ -180,7 +185,21 @@ def summary_of(timelines: list[RequestTimeline]) -> dict[str, Any]:
     return summarize(timelines, duration_s=max(ends, default=0.0), slo=Slo())
 
 
-PREDICTIONS = ("calibrated", "inline", "inline_normalised")
+PREDICTIONS = ("calibrated", "inline", "inline_normalised", "served_normalised")
+#: Requests in the served probe's burst (`served_probe_traffic`).
+SERVED_PROBE_REQUESTS = 16
+
+
+def served_probe_traffic(args: argparse.Namespace, max_model_len: int) -> list[TrafficRequest]:
+    """The served probe's burst: `SERVED_PROBE_REQUESTS` requests at once, the trace's
+    length distributions, a seed of its own (no measured or calibration run's shapes)."""
+    other = {"requests": SERVED_PROBE_REQUESTS, "seed": args.seed + CALIBRATION_SEED_OFFSET + 50}
+    return traffic_at(argparse.Namespace(**vars(args) | other), math.inf, max_model_len)
+
+
+def makespan(timelines: list[RequestTimeline]) -> float:
+    """Seconds from time 0 to the last request's finish."""
+    return max((t.finish_s for t in timelines if t.finish_s is not None), default=0.0)
 
 
 def predict(
@@ -198,6 +217,7 @@ def predict(
     run = simulate_inline if inline else simulate
     result = run(sim_config(real, path), traffic, engine_time=fit.engine_time(), seed=seed)
     return summary_of(result.timelines) | {
+        "makespan_s": makespan(result.timelines),
         "device_busy_s": result.busy_s,
         "steps": result.num_steps,
     }
@@ -214,6 +234,7 @@ def measure(
     args: argparse.Namespace,
     traffics: dict[float, list[TrafficRequest]],
     probe: SpeedProbe,
+    served: tuple[list[TrafficRequest], float],
 ) -> dict[float, list[dict[str, Any]]]:
     """Replay each rate's traffic `args.repeats` times, one round over the rates per fresh
     `AsyncLLM` of the mode (its own engine-core process, warmed up first), the rates
@@ -225,7 +246,7 @@ def measure(
     for repeat in range(args.repeats):
         llm = AsyncLLM(model="default", async_scheduling=async_, worker_num_threads=args.threads)
         try:
-            asyncio.run(measure_round(llm, repeat, args, traffics, probe, out))
+            asyncio.run(measure_round(llm, repeat, args, traffics, probe, served, out))
         finally:
             llm.shutdown()
     return out
@@ -237,34 +258,51 @@ async def measure_round(
     args: argparse.Namespace,
     traffics: dict[float, list[TrafficRequest]],
     probe: SpeedProbe,
+    served: tuple[list[TrafficRequest], float],
     out: dict[float, list[dict[str, Any]]],
 ) -> None:
-    """One round of `measure`: warm `llm` up, then each rate once, appended to `out`."""
+    """One round of `measure`: warm `llm` up, then each rate once, appended to `out`;
+    `served`: the served probe's burst and its predicted makespan."""
     vocab = llm.config.model.vocab_size or 0
     rates = list(traffics)
     await warm_up(llm, vocab)
-    before = probe.factor()
+    probes = 0
+
+    async def served_factor() -> float:
+        nonlocal probes
+        probes += 1
+        run = await replay(llm, served[0], vocab, 900_000 + 1000 * repeat + probes)
+        return makespan(run.timelines) / served[1]
+
+    before, served_before = probe.factor(), await served_factor()
     for rate, traffic in traffics.items():
         load = os.getloadavg()[0]
         seed = prompt_seed(args, rate, rates, repeat)
         run = await replay(llm, traffic, vocab, seed)
-        after = probe.factor()
+        after, served_after = probe.factor(), await served_factor()
         summary = summary_of(run.timelines) | {
             "wall_s": run.wall_s,
             "max_send_lateness_s": run.max_send_lateness_s,
             "load_average_1m_before": load,
             "probe_factors": [before, after],
+            "served_factors": [served_before, served_after],
         }
         out[rate].append(summary)
-        before = after
+        before, served_before = after, served_after
         print(f"  measured {rate:.3g} req/s #{repeat}: {brief(summary)}", flush=True)
-        print(f"    probe factors {summary['probe_factors']}, load {load:.2f}", flush=True)
+        print(
+            f"    probe factors {summary['probe_factors']}, served "
+            f"{summary['served_factors']}, load {load:.2f}",
+            flush=True,
+        )
 
 
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The compared metrics (`METRICS`) as medians over the repeats, and each one's
-    spread over them (`spread`: [min, max]); `probe_factors`: every run's, in order."""
-    out: dict[str, Any] = {"repeats": len(runs), "spread": {}, "probe_factors": []}
+    spread over them (`spread`: [min, max]); `probe_factors` and `served_factors`: every
+    run's, in order."""
+    out: dict[str, Any] = {"repeats": len(runs), "spread": {}}
+    out |= {"probe_factors": [], "served_factors": []}
     for key, pct in METRICS:
         values = [v for v in (metric(run, key, pct) for run in runs) if v is not None]
         value = statistics.median(values) if values else None
@@ -277,6 +315,7 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
         )
     for run in runs:
         out["probe_factors"] += run["probe_factors"]
+        out["served_factors"] += run["served_factors"]
     return out
 
 
@@ -372,13 +411,17 @@ def run_mode(
     real = real_config(MODES[mode], args.threads)
     traffics = {rate: traffic_at(args, rate, real.max_model_len) for rate in rates}
     print(f"{mode}: measuring", flush=True)
-    runs = measure(MODES[mode], args, traffics, probe)
+    burst = served_probe_traffic(args, real.max_model_len)
+    served = (burst, predict(real, fit, burst, args.seed, True, scratch)["makespan_s"])
+    runs = measure(MODES[mode], args, traffics, probe, served)
     measured = {rate: median_of(runs[rate]) for rate in traffics}
     rows = []
     for rate, traffic in traffics.items():
         factor = statistics.fmean(measured[rate]["probe_factors"])
+        served_factor = statistics.fmean(measured[rate]["served_factors"])
         fits = {"calibrated": (fit, False), "inline": (fit, True)}
         fits["inline_normalised"] = (scaled(fit, factor), True)
+        fits["served_normalised"] = (scaled(fit, served_factor), True)
         predicted = {
             name: predict(real, f, traffic, prompt_seed(args, rate, rates), inline, scratch)
             for name, (f, inline) in fits.items()
@@ -391,6 +434,7 @@ def run_mode(
                 "rate": rate,
                 "traffic": traffic_spec(args, rate),
                 "probe_factor": factor,
+                "served_factor": served_factor,
                 "measured": measured[rate],
                 "measured_runs": runs[rate],
                 "predicted": predicted,
@@ -442,6 +486,10 @@ def main() -> None:
             "inline": "the inline device (no engine/device overlap: the inprocess executor)",
             "inline_normalised": (
                 "inline, device coefficients x the run's probe factor (vs just after calibrating)"
+            ),
+            "served_normalised": (
+                "inline, device coefficients x the run's served-probe factor (a burst through "
+                "the measured engine: its makespan / the fit's)"
             ),
         },
         "results": rows,

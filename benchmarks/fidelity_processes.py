@@ -29,21 +29,21 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 ROOT = Path(__file__).resolve().parent
 SPEC = "poisson:rate=inf,n={n},prompt=uniform(16,128),output=uniform(16,64),seed=7"
 
 
 def child(requests: int, bursts: int, threads: int) -> list[float]:
     """In a fresh process: the engine, then `bursts` replays; device seconds of each."""
-    from tandem.config_resolution import resolve_config
+    from simulate_fidelity import real_config
+
     from tandem.core.engine_core import EngineCore
     from tandem.simulate.trace_profile import replay_steps
     from tandem.simulate.traffic import generate, parse_traffic
-    from tandem.stack_file import load_config
 
-    config = resolve_config(
-        load_config(None, model="default", async_scheduling=False, worker_num_threads=threads)
-    )
+    config = real_config(False, threads)
     engine = EngineCore(config, source="fidelity_processes")
     seconds = []
     try:

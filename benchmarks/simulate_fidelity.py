@@ -33,7 +33,7 @@ synchronous and asynchronous scheduling.
   `calibrated-cost` plugin with the fit, and the fit's `EngineTime`; the same traffic list.
   Four ways (`PREDICTIONS`): `calibrated` (the virtual device, as `tandem simulate` runs
   it), `inline` (the inline device: no engine/device overlap, as the `inprocess`
-  executor on a CPU; the same as `calibrated` under sync scheduling) and
+  executor on a CPU; the same as `calibrated` under sync scheduling),
   `inline_normalised` (inline, the device coefficients times the run's probe factor) and
   `served_normalised` (inline, the device coefficients times the run's served-probe
   factor: a 16-request burst with the trace's lengths sent through the measured `AsyncLLM`
@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -61,7 +62,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity_probe import SpeedProbe, scaled  # noqa: E402
@@ -190,6 +191,13 @@ PREDICTIONS = ("calibrated", "inline", "inline_normalised", "served_normalised")
 SERVED_PROBE_REQUESTS = 16
 
 
+class ServedProbe(NamedTuple):
+    """The served probe's burst and the fit's simulated makespan of it (seconds)."""
+
+    traffic: list[TrafficRequest]
+    predicted_s: float
+
+
 def served_probe_traffic(args: argparse.Namespace, max_model_len: int) -> list[TrafficRequest]:
     """The served probe's burst: `SERVED_PROBE_REQUESTS` requests at once, the trace's
     length distributions, a seed of its own (no measured or calibration run's shapes)."""
@@ -234,13 +242,14 @@ def measure(
     args: argparse.Namespace,
     traffics: dict[float, list[TrafficRequest]],
     probe: SpeedProbe,
-    served: tuple[list[TrafficRequest], float],
+    served: ServedProbe,
 ) -> dict[float, list[dict[str, Any]]]:
     """Replay each rate's traffic `args.repeats` times, one round over the rates per fresh
     `AsyncLLM` of the mode (its own engine-core process, warmed up first), the rates
     interleaved (r1, r2, r3, r1, ...) so a drift of the machine's speed spreads over every
-    rate and each rate's repeats run in as many processes; a speed probe before and after
-    each run (`probe_factors`: [before, after]). Each repeat draws fresh prompt ids
+    rate and each rate's repeats run in as many processes; the speed probe and the served
+    probe before and after each run (`probe_factors`, `served_factors`: [before, after]).
+    Each repeat draws fresh prompt ids
     (`prompt_seed`), so no run finds an earlier run's prompts in the prefix cache."""
     out: dict[float, list[dict[str, Any]]] = {rate: [] for rate in traffics}
     for repeat in range(args.repeats):
@@ -258,21 +267,18 @@ async def measure_round(
     args: argparse.Namespace,
     traffics: dict[float, list[TrafficRequest]],
     probe: SpeedProbe,
-    served: tuple[list[TrafficRequest], float],
+    served: ServedProbe,
     out: dict[float, list[dict[str, Any]]],
 ) -> None:
-    """One round of `measure`: warm `llm` up, then each rate once, appended to `out`;
-    `served`: the served probe's burst and its predicted makespan."""
+    """One round of `measure`: warm `llm` up, then each rate once, appended to `out`."""
     vocab = llm.config.model.vocab_size or 0
     rates = list(traffics)
     await warm_up(llm, vocab)
-    probes = 0
+    probe_seeds = itertools.count(900_000 + 1000 * repeat)  # fresh prompt ids per probe
 
     async def served_factor() -> float:
-        nonlocal probes
-        probes += 1
-        run = await replay(llm, served[0], vocab, 900_000 + 1000 * repeat + probes)
-        return makespan(run.timelines) / served[1]
+        run = await replay(llm, served.traffic, vocab, next(probe_seeds))
+        return makespan(run.timelines) / served.predicted_s
 
     before, served_before = probe.factor(), await served_factor()
     for rate, traffic in traffics.items():
@@ -412,7 +418,7 @@ def run_mode(
     traffics = {rate: traffic_at(args, rate, real.max_model_len) for rate in rates}
     print(f"{mode}: measuring", flush=True)
     burst = served_probe_traffic(args, real.max_model_len)
-    served = (burst, predict(real, fit, burst, args.seed, True, scratch)["makespan_s"])
+    served = ServedProbe(burst, predict(real, fit, burst, args.seed, True, scratch)["makespan_s"])
     runs = measure(MODES[mode], args, traffics, probe, served)
     measured = {rate: median_of(runs[rate]) for rate in traffics}
     rows = []

@@ -28,9 +28,9 @@ relative error), and writes the fit file (`--out`, default `fit.json`;
 
 `--merge` loads no model: it refits the union of the points of fit files made by separate
 calibrations of the same stack on the same device (`merge_fits`). On a shared machine one
-process runs the same steps up to ~10% slower than another, for its whole life (where its
-memory landed; `benchmarks/fidelity_processes.py` measures the spread), so a fit from one
-process carries that process's luck; pooled calibrations average it out.
+process can run the same steps ~10% slower than another for its whole life (not address
+randomisation, not CPU placement; `benchmarks/fidelity_processes.py` measures the spread),
+so a fit from one process carries that process's luck; pooled calibrations average it out.
 """
 
 from __future__ import annotations
@@ -216,29 +216,33 @@ def calibrate(
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
     }
-    origin = {"device": describe_device(config), "model": config.model.model}
-    fit = fit_file(points, origin | {"stack": stack_summary(config)}, len(samples), profile)
-    return fit, points
+    origin = (describe_device(config), config.model.model, stack_summary(config))
+    return fit_file(points, *origin, steps=len(samples), profile=profile), points
 
 
 def fit_file(
-    points: list[GridPoint], origin: dict[str, Any], steps: int, profile: Any
+    points: list[GridPoint],
+    device: str,
+    model: str,
+    stack: dict[str, Any],
+    steps: int,
+    profile: Any,
 ) -> CalibrationFit:
-    """The fit of `points` (`fit_points`) as a fit file's contents: `origin` holds the
-    `device`, `model` and `stack` it was measured on, `steps` the steps timed, `profile`
-    how (one calibration's settings, or a list of them for a merged fit)."""
-    device, engine_fit = fit_points(points)
+    """The fit of `points` (`fit_points`) as a fit file's contents: the `device`, `model`
+    and `stack` it was measured on, `steps` the steps timed, `profile` how (one
+    calibration's settings, or a list of them for a merged fit)."""
+    device_fit, engine_fit = fit_points(points)
     return CalibrationFit(
         features=FIT_FEATURES,
-        coef=device.coef,
+        coef=device_fit.coef,
         step_s=engine_fit.coef[0],
         per_request_s=engine_fit.coef[1],
-        device=origin["device"],
-        model=origin["model"],
-        stack=origin["stack"],
-        samples=device.samples,
-        r2=device.r2,
-        median_abs_rel_error=device.median_abs_rel_error,
+        device=device,
+        model=model,
+        stack=stack,
+        samples=device_fit.samples,
+        r2=device_fit.r2,
+        median_abs_rel_error=device_fit.median_abs_rel_error,
         extra={
             "engine_time": {
                 "r2": engine_fit.r2,
@@ -278,9 +282,9 @@ def merge_fits(fits: Sequence[CalibrationFit]) -> tuple[CalibrationFit, list[Gri
             points += [GridPoint(**(p | {"features": tuple(p["features"])})) for p in raw]
         except (TypeError, KeyError) as exc:
             raise ValueError(f"merge: fit {k} has a malformed point: {exc}") from exc
-    origin = {"device": first.device, "model": first.model, "stack": first.stack}
     steps = sum(int(fit.extra.get("steps", 0)) for fit in fits)
-    merged = fit_file(points, origin, steps, [fit.extra.get("profile") for fit in fits])
+    profiles = [fit.extra.get("profile") for fit in fits]
+    merged = fit_file(points, first.device, first.model, first.stack, steps, profiles)
     return merged, points
 
 

@@ -3,7 +3,7 @@
     python benchmarks/simulate_fidelity.py [--fit FIT.json | --calibrations 3 --calibrate-seconds 90
         --calibrate-rates 1,inf]
         [--threads 1] [--requests 48] [--prompt 16,128] [--output 16,64] [--seed 0]
-        [--rates auto | R1,R2,R3] [--modes sync,async] [--repeats 3]
+        [--rates auto | R1,R2,R3] [--modes sync,async] [--repeats 3] [--served-probe-requests 32]
 
 The embedded SmolLM2 (`model: default`, its default stack), the same trace on both sides:
 Poisson arrivals, prompt and output lengths uniform in the given ranges (one seed: the
@@ -24,10 +24,12 @@ synchronous and asynchronous scheduling.
 - Measured: `fidelity_replay.replay` (open loop through `AsyncLLM`, the engine core in its
   own process as `tandem serve` runs it; its docstring says why), `--repeats` rounds per
   mode, each round a fresh `AsyncLLM` (a new engine-core process, warmed up) running the
-  rates in turn, with a speed probe (`fidelity_probe`) before and after each run. The
-  measured figure is the median over the repeats, with its spread (min, max) beside it:
-  the median spans as many engine processes as rounds, and near saturation queueing
-  amplifies the machine's drift, so one run is not a figure to hold a prediction to.
+  rates in turn, the modes' rounds alternating (sync, async, sync, ...) so the machine's
+  drift falls on both modes alike, with a speed probe (`fidelity_probe`) before and after
+  each run. The measured figure is the median over the repeats, with its spread (min,
+  max) beside it: the median spans as many engine processes as rounds, and near
+  saturation queueing amplifies the machine's drift, so one run is not a figure to hold
+  a prediction to.
 - Predicted: `tandem.simulate.driver.simulate` on the same stack (the scripted model in the
   real model's place: same vocabulary, max_model_len, KV pool and limits) plus the
   `calibrated-cost` plugin with the fit, and the fit's `EngineTime`; the same traffic list.
@@ -36,10 +38,10 @@ synchronous and asynchronous scheduling.
   executor on a CPU; the same as `calibrated` under sync scheduling),
   `inline_normalised` (inline, the device coefficients times the run's probe factor) and
   `served_normalised` (inline, the device coefficients times the run's served-probe
-  factor: a 16-request burst with the trace's lengths sent through the measured `AsyncLLM`
-  itself before and after each run, its makespan against the fit's simulation of the same
-  burst; so it sees the served process's own speed, which the probe, another process,
-  cannot). Neither probe uses the measured run's own timings.
+  factor: a `--served-probe-requests` burst with the trace's lengths sent through the
+  measured `AsyncLLM` itself before and after each run, its makespan against the fit's
+  simulation of the same burst; so it sees the served process's own speed, which the
+  probe, another process, cannot). Neither probe uses the measured run's own timings.
 
 Reported per (mode, rate): TTFT p50/p90, TPOT p50/p90, request and output throughput,
 measured and predicted, and predicted / measured. Writes
@@ -187,8 +189,6 @@ def summary_of(timelines: list[RequestTimeline]) -> dict[str, Any]:
 
 
 PREDICTIONS = ("calibrated", "inline", "inline_normalised", "served_normalised")
-#: Requests in the served probe's burst (`served_probe_traffic`).
-SERVED_PROBE_REQUESTS = 16
 
 
 class ServedProbe(NamedTuple):
@@ -198,10 +198,22 @@ class ServedProbe(NamedTuple):
     predicted_s: float
 
 
+class ModeRun(NamedTuple):
+    """What one scheduling mode replays: its engine config, each rate's traffic, and its
+    served probe (the fit's makespan of the burst under this mode's config)."""
+
+    real: EngineConfig
+    traffics: dict[float, list[TrafficRequest]]
+    served: ServedProbe
+
+
 def served_probe_traffic(args: argparse.Namespace, max_model_len: int) -> list[TrafficRequest]:
-    """The served probe's burst: `SERVED_PROBE_REQUESTS` requests at once, the trace's
+    """The served probe's burst: `--served-probe-requests` requests at once, the trace's
     length distributions, a seed of its own (no measured or calibration run's shapes)."""
-    other = {"requests": SERVED_PROBE_REQUESTS, "seed": args.seed + CALIBRATION_SEED_OFFSET + 50}
+    other = {
+        "requests": args.served_probe_requests,
+        "seed": args.seed + CALIBRATION_SEED_OFFSET + 50,
+    }
     return traffic_at(argparse.Namespace(**vars(args) | other), math.inf, max_model_len)
 
 
@@ -238,26 +250,29 @@ def saturation_rate(real: EngineConfig, fit: CalibrationFit, args: Any, scratch:
 
 
 def measure(
-    async_: bool,
+    modes: dict[str, ModeRun],
     args: argparse.Namespace,
-    traffics: dict[float, list[TrafficRequest]],
     probe: SpeedProbe,
-    served: ServedProbe,
-) -> dict[float, list[dict[str, Any]]]:
-    """Replay each rate's traffic `args.repeats` times, one round over the rates per fresh
-    `AsyncLLM` of the mode (its own engine-core process, warmed up first), the rates
-    interleaved (r1, r2, r3, r1, ...) so a drift of the machine's speed spreads over every
-    rate and each rate's repeats run in as many processes; the speed probe and the served
-    probe before and after each run (`probe_factors`, `served_factors`: [before, after]).
-    Each repeat draws fresh prompt ids
-    (`prompt_seed`), so no run finds an earlier run's prompts in the prefix cache."""
-    out: dict[float, list[dict[str, Any]]] = {rate: [] for rate in traffics}
+) -> dict[str, dict[float, list[dict[str, Any]]]]:
+    """Replay each mode's traffic at each rate `args.repeats` times. One round is a fresh
+    `AsyncLLM` of one mode (its own engine-core process, warmed up first) running every
+    rate once; the modes' rounds alternate (sync #0, async #0, sync #1, ...) and the rates
+    are interleaved within a round (r1, r2, r3), so a drift of the machine's speed spreads
+    over both modes and every rate, and each (mode, rate) has its repeats in as many
+    processes. The speed probe and the mode's served probe run before and after each run
+    (`probe_factors`, `served_factors`: [before, after]). Each repeat draws fresh prompt
+    ids (`prompt_seed`), so no run finds an earlier run's prompts in the prefix cache."""
+    out = {mode: {rate: [] for rate in run.traffics} for mode, run in modes.items()}
     for repeat in range(args.repeats):
-        llm = AsyncLLM(model="default", async_scheduling=async_, worker_num_threads=args.threads)
-        try:
-            asyncio.run(measure_round(llm, repeat, args, traffics, probe, served, out))
-        finally:
-            llm.shutdown()
+        for mode, run in modes.items():
+            print(f"{mode}: round {repeat}", flush=True)
+            llm = AsyncLLM(
+                model="default", async_scheduling=MODES[mode], worker_num_threads=args.threads
+            )
+            try:
+                asyncio.run(measure_round(llm, repeat, args, run, probe, out[mode]))
+            finally:
+                llm.shutdown()
     return out
 
 
@@ -265,13 +280,13 @@ async def measure_round(
     llm: AsyncLLM,
     repeat: int,
     args: argparse.Namespace,
-    traffics: dict[float, list[TrafficRequest]],
+    mode: ModeRun,
     probe: SpeedProbe,
-    served: ServedProbe,
     out: dict[float, list[dict[str, Any]]],
 ) -> None:
     """One round of `measure`: warm `llm` up, then each rate once, appended to `out`."""
     vocab = llm.config.model.vocab_size or 0
+    traffics, served = mode.traffics, mode.served
     rates = list(traffics)
     await warm_up(llm, vocab)
     probe_seeds = itertools.count(900_000 + 1000 * repeat)  # fresh prompt ids per probe
@@ -401,39 +416,53 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rates", default="auto", help="auto or a comma list of req/s")
     p.add_argument("--modes", default="sync,async")
     p.add_argument("--repeats", type=int, default=3, help="measured runs per mode and rate")
+    p.add_argument(
+        "--served-probe-requests",
+        type=int,
+        default=32,
+        help="requests in the served probe's burst (before and after each measured run)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "simulate_fidelity.json")
     return p.parse_args()
 
 
-def run_mode(
-    mode: str,
-    args: argparse.Namespace,
-    rates: list[float],
-    fit: CalibrationFit,
-    probe: SpeedProbe,
-    scratch: Path,
-) -> list[dict[str, Any]]:
-    """Measure the mode at every rate, then predict each run three ways (`PREDICTIONS`)."""
+def mode_run(
+    mode: str, args: argparse.Namespace, rates: list[float], fit: CalibrationFit, scratch: Path
+) -> ModeRun:
+    """The mode's config, its traffic at every rate, and its served probe."""
     real = real_config(MODES[mode], args.threads)
     traffics = {rate: traffic_at(args, rate, real.max_model_len) for rate in rates}
-    print(f"{mode}: measuring", flush=True)
     burst = served_probe_traffic(args, real.max_model_len)
     served = ServedProbe(burst, predict(real, fit, burst, args.seed, True, scratch)["makespan_s"])
-    runs = measure(MODES[mode], args, traffics, probe, served)
-    measured = {rate: median_of(runs[rate]) for rate in traffics}
+    return ModeRun(real, traffics, served)
+
+
+def predict_mode(
+    mode: str,
+    run: ModeRun,
+    runs: dict[float, list[dict[str, Any]]],
+    args: argparse.Namespace,
+    fit: CalibrationFit,
+    scratch: Path,
+) -> list[dict[str, Any]]:
+    """Predict each of the mode's measured rates four ways (`PREDICTIONS`); one row per
+    rate with the measured median, every measured run and the ratios."""
+    rates = list(run.traffics)
+    measured = {rate: median_of(runs[rate]) for rate in rates}
     rows = []
-    for rate, traffic in traffics.items():
+    for rate, traffic in run.traffics.items():
         factor = statistics.fmean(measured[rate]["probe_factors"])
         served_factor = statistics.fmean(measured[rate]["served_factors"])
         fits = {"calibrated": (fit, False), "inline": (fit, True)}
         fits["inline_normalised"] = (scaled(fit, factor), True)
         fits["served_normalised"] = (scaled(fit, served_factor), True)
+        seed = prompt_seed(args, rate, rates)
         predicted = {
-            name: predict(real, f, traffic, prompt_seed(args, rate, rates), inline, scratch)
+            name: predict(run.real, f, traffic, seed, inline, scratch)
             for name, (f, inline) in fits.items()
         }
         for name in PREDICTIONS:
-            print(f"  {name} {rate:.3g} req/s: {brief(predicted[name])}", flush=True)
+            print(f"  {mode} {name} {rate:.3g} req/s: {brief(predicted[name])}", flush=True)
         rows.append(
             {
                 "mode": mode,
@@ -466,11 +495,13 @@ def main() -> None:
         else:
             rates = [float(r) for r in args.rates.split(",")]
         print(f"predicted saturation {saturation:.3f} req/s; rates {rates}", flush=True)
+        modes = {m: mode_run(m, args, rates, fit, scratch) for m in args.modes.split(",")}
         try:
-            for mode in args.modes.split(","):
-                rows += run_mode(mode, args, rates, fit, probe, scratch)
+            runs = measure(modes, args, probe)
         finally:
             probe.close()
+        for mode, run in modes.items():
+            rows += predict_mode(mode, run, runs[mode], args, fit, scratch)
     print_spread(rows)
     for name in PREDICTIONS:
         print_table(rows, name)
@@ -484,6 +515,7 @@ def main() -> None:
         "output_uniform": args.output,
         "seed": args.seed,
         "repeats": args.repeats,
+        "served_probe_requests": args.served_probe_requests,
         "fit": {"path": str(shown)} | {k: v for k, v in fit.to_json().items() if k != "points"},
         "saturation_rate_predicted": saturation,
         "rates": rates,

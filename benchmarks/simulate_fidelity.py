@@ -44,7 +44,9 @@ synchronous and asynchronous scheduling.
   probe, another process, cannot). Neither probe uses the measured run's own timings.
 
 Reported per (mode, rate): TTFT p50/p90, TPOT p50/p90, request and output throughput,
-measured and predicted, and predicted / measured. Writes
+measured and predicted, and predicted / measured; and each figure's sensitivity to the
+device's speed with the device-time factor that would close the gap
+(`fidelity_sensitivity.py`). Writes
 benchmarks/results/simulate_fidelity.json. The machine's load average is recorded: the
 measured side shares the CPU with whatever else runs.
 """
@@ -502,9 +504,13 @@ def main() -> None:
             probe.close()
         for mode, run in modes.items():
             rows += predict_mode(mode, run, runs[mode], args, fit, scratch)
+        from fidelity_sensitivity import annotate, print_sensitivity
+
+        annotate(rows, args, rates, fit, args.threads, scratch)
     print_spread(rows)
     for name in PREDICTIONS:
         print_table(rows, name)
+    print_sensitivity(rows)
     shown = fit_path.relative_to(ROOT.parent) if fit_path.is_relative_to(ROOT.parent) else fit_path
     document = {
         "model": "default (embedded SmolLM2-135M-Instruct)",

@@ -425,7 +425,10 @@ def parse_args() -> argparse.Namespace:
         help="requests in the served probe's burst (before and after each measured run)",
     )
     p.add_argument("--out", type=Path, default=RESULTS / "simulate_fidelity.json")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.served_probe_requests < 1:
+        p.error(f"--served-probe-requests: expected at least 1, got {args.served_probe_requests}")
+    return args
 
 
 def mode_run(
@@ -504,7 +507,7 @@ def main() -> None:
             probe.close()
         for mode, run in modes.items():
             rows += predict_mode(mode, run, runs[mode], args, fit, scratch)
-        from fidelity_sensitivity import annotate, print_sensitivity
+        from fidelity_sensitivity import annotate, print_sensitivity  # it imports this module
 
         annotate(rows, args, rates, fit, args.threads, scratch)
     print_spread(rows)

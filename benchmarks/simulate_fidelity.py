@@ -9,7 +9,7 @@ The embedded SmolLM2 (`model: default`, its default stack), the same trace on bo
 Poisson arrivals, prompt and output lengths uniform in the given ranges (one seed: the
 same shapes at every rate; prompt ids drawn afresh per rate, or every run after the first
 would find its prompts in the prefix cache), at three rates (`auto`: 0.5x, 0.8x and 1.5x
-the saturation rate the calibrated simulation predicts for a burst, sync), under
+the saturation rate the first calibration's fit predicts for a burst, sync), under
 synchronous and asynchronous scheduling.
 
 - Fit: `--calibrations` runs of `tandem simulate calibrate --threads T --max-seconds S
@@ -17,7 +17,10 @@ synchronous and asynchronous scheduling.
   all their points) into benchmarks/results/simulate_fidelity_fit.json (or `--fit`). One
   process can run the same steps ~10% slower than another for its whole life
   (`fidelity_processes.py`), so one calibration carries its process's luck into the fit;
-  pooling several averages it out. The traffic each replays after its grid
+  pooling several averages it out. The first calibration runs before any measuring (it
+  sets the rates); the others run between the measured rounds
+  (`calibration_schedule`), so the fit and the measurements sample the same stretch of
+  the machine's drift; every prediction uses the merged fit. The traffic each replays after its grid
   (`--calibrate-rates`, default 1 req/s and a burst) has the trace's length distributions
   but another seed (one per calibration), so no calibration step is a step of a measured
   run: a user calibrates with traffic like what they will simulate.
@@ -65,6 +68,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -110,19 +114,34 @@ def calibration_traffic(args: argparse.Namespace, calibration: int = 0) -> list[
     return [traffic_spec(other, float(rate)) for rate in rates]
 
 
-def pooled_fit(args: argparse.Namespace, path: Path, scratch: Path) -> CalibrationFit:
-    """`args.calibrations` calibrations, each in its own child process, merged into one fit
-    at `path` (a single calibration is written there directly)."""
-    if args.calibrations == 1:
-        return calibrate_fit(path, args.calibrate_seconds, args.threads, calibration_traffic(args))
-    parts = [scratch / f"calibration-{k}.json" for k in range(args.calibrations)]
-    for k, part in enumerate(parts):
-        print(f"calibration {k + 1} of {len(parts)}", flush=True)
-        calibrate_fit(part, args.calibrate_seconds, args.threads, calibration_traffic(args, k))
+def calibrate_part(args: argparse.Namespace, k: int, scratch: Path) -> Path:
+    """Calibration `k` (its own child process and traffic seed) into a file in `scratch`."""
+    part = scratch / f"calibration-{k}.json"
+    print(f"calibration {k + 1} of {args.calibrations}", flush=True)
+    calibrate_fit(part, args.calibrate_seconds, args.threads, calibration_traffic(args, k))
+    return part
+
+
+def merge_parts(parts: list[Path], path: Path) -> CalibrationFit:
+    """The calibrations merged into one fit at `path` (`calibrate --merge`: one fit over all
+    their points; a single calibration is copied there)."""
+    if len(parts) == 1:
+        path.write_text(parts[0].read_text())
+        return load_fit(path)
     command = [sys.executable, "-m", "tandem.cli", "simulate", "calibrate", "--quiet"]
     command += ["--out", str(path), "--merge", *map(str, parts)]
     subprocess.run(command, check=True)
     return load_fit(path)
+
+
+def calibration_schedule(calibrations: int, repeats: int) -> dict[int, list[int]]:
+    """Which calibrations run before which measured round: calibration j (j >= 1) before
+    round round(j x repeats / calibrations), spreading them over the measurement (round
+    `repeats` means after the last one). Calibration 0 runs first: it sets the rates."""
+    schedule: dict[int, list[int]] = {}
+    for j in range(1, calibrations):
+        schedule.setdefault(min(repeats, round(j * repeats / calibrations)), []).append(j)
+    return schedule
 
 
 def calibrate_fit(
@@ -193,20 +212,13 @@ def summary_of(timelines: list[RequestTimeline]) -> dict[str, Any]:
 PREDICTIONS = ("calibrated", "inline", "inline_normalised", "served_normalised")
 
 
-class ServedProbe(NamedTuple):
-    """The served probe's burst and the fit's simulated makespan of it (seconds)."""
-
-    traffic: list[TrafficRequest]
-    predicted_s: float
-
-
 class ModeRun(NamedTuple):
-    """What one scheduling mode replays: its engine config, each rate's traffic, and its
-    served probe (the fit's makespan of the burst under this mode's config)."""
+    """What one scheduling mode replays: its engine config, each rate's traffic, and the
+    served probe's burst (`served_probe_traffic`)."""
 
     real: EngineConfig
     traffics: dict[float, list[TrafficRequest]]
-    served: ServedProbe
+    served_probe: list[TrafficRequest]
 
 
 def served_probe_traffic(args: argparse.Namespace, max_model_len: int) -> list[TrafficRequest]:
@@ -255,6 +267,7 @@ def measure(
     modes: dict[str, ModeRun],
     args: argparse.Namespace,
     probe: SpeedProbe,
+    before_round: Callable[[int], None] = lambda _: None,
 ) -> dict[str, dict[float, list[dict[str, Any]]]]:
     """Replay each mode's traffic at each rate `args.repeats` times. One round is a fresh
     `AsyncLLM` of one mode (its own engine-core process, warmed up first) running every
@@ -262,10 +275,13 @@ def measure(
     are interleaved within a round (r1, r2, r3), so a drift of the machine's speed spreads
     over both modes and every rate, and each (mode, rate) has its repeats in as many
     processes. The speed probe and the mode's served probe run before and after each run
-    (`probe_factors`, `served_factors`: [before, after]). Each repeat draws fresh prompt
-    ids (`prompt_seed`), so no run finds an earlier run's prompts in the prefix cache."""
+    (`probe_factors`, `served_makespans_s`: [before, after]). Each repeat draws fresh
+    prompt ids (`prompt_seed`), so no run finds an earlier run's prompts in the prefix
+    cache. `before_round(r)` runs before round r of the modes and, with r = repeats, after
+    the last (where `simulate_fidelity` runs its later calibrations)."""
     out = {mode: {rate: [] for rate in run.traffics} for mode, run in modes.items()}
     for repeat in range(args.repeats):
+        before_round(repeat)
         for mode, run in modes.items():
             print(f"{mode}: round {repeat}", flush=True)
             llm = AsyncLLM(
@@ -275,6 +291,7 @@ def measure(
                 asyncio.run(measure_round(llm, repeat, args, run, probe, out[mode]))
             finally:
                 llm.shutdown()
+    before_round(args.repeats)
     return out
 
 
@@ -288,44 +305,44 @@ async def measure_round(
 ) -> None:
     """One round of `measure`: warm `llm` up, then each rate once, appended to `out`."""
     vocab = llm.config.model.vocab_size or 0
-    traffics, served = mode.traffics, mode.served
+    traffics = mode.traffics
     rates = list(traffics)
     await warm_up(llm, vocab)
     probe_seeds = itertools.count(900_000 + 1000 * repeat)  # fresh prompt ids per probe
 
-    async def served_factor() -> float:
-        run = await replay(llm, served.traffic, vocab, next(probe_seeds))
-        return makespan(run.timelines) / served.predicted_s
+    async def served_makespan() -> float:
+        run = await replay(llm, mode.served_probe, vocab, next(probe_seeds))
+        return makespan(run.timelines)
 
-    before, served_before = probe.factor(), await served_factor()
+    before, served_before = probe.factor(), await served_makespan()
     for rate, traffic in traffics.items():
         load = os.getloadavg()[0]
         seed = prompt_seed(args, rate, rates, repeat)
         run = await replay(llm, traffic, vocab, seed)
-        after, served_after = probe.factor(), await served_factor()
+        after, served_after = probe.factor(), await served_makespan()
         summary = summary_of(run.timelines) | {
             "wall_s": run.wall_s,
             "max_send_lateness_s": run.max_send_lateness_s,
             "load_average_1m_before": load,
             "probe_factors": [before, after],
-            "served_factors": [served_before, served_after],
+            "served_makespans_s": [served_before, served_after],
         }
         out[rate].append(summary)
         before, served_before = after, served_after
         print(f"  measured {rate:.3g} req/s #{repeat}: {brief(summary)}", flush=True)
         print(
-            f"    probe factors {summary['probe_factors']}, served "
-            f"{summary['served_factors']}, load {load:.2f}",
+            f"    probe factors {summary['probe_factors']}, served probe makespans "
+            f"{summary['served_makespans_s']} s, load {load:.2f}",
             flush=True,
         )
 
 
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The compared metrics (`METRICS`) as medians over the repeats, and each one's
-    spread over them (`spread`: [min, max]); `probe_factors` and `served_factors`: every
-    run's, in order."""
+    spread over them (`spread`: [min, max]); `probe_factors` and `served_makespans_s`:
+    every run's, in order."""
     out: dict[str, Any] = {"repeats": len(runs), "spread": {}}
-    out |= {"probe_factors": [], "served_factors": []}
+    out |= {"probe_factors": [], "served_makespans_s": []}
     for key, pct in METRICS:
         values = [v for v in (metric(run, key, pct) for run in runs) if v is not None]
         value = statistics.median(values) if values else None
@@ -338,7 +355,7 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
         )
     for run in runs:
         out["probe_factors"] += run["probe_factors"]
-        out["served_factors"] += run["served_factors"]
+        out["served_makespans_s"] += run["served_makespans_s"]
     return out
 
 
@@ -431,15 +448,11 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def mode_run(
-    mode: str, args: argparse.Namespace, rates: list[float], fit: CalibrationFit, scratch: Path
-) -> ModeRun:
-    """The mode's config, its traffic at every rate, and its served probe."""
+def mode_run(mode: str, args: argparse.Namespace, rates: list[float]) -> ModeRun:
+    """The mode's config, its traffic at every rate, and its served probe's burst."""
     real = real_config(MODES[mode], args.threads)
     traffics = {rate: traffic_at(args, rate, real.max_model_len) for rate in rates}
-    burst = served_probe_traffic(args, real.max_model_len)
-    served = ServedProbe(burst, predict(real, fit, burst, args.seed, True, scratch)["makespan_s"])
-    return ModeRun(real, traffics, served)
+    return ModeRun(real, traffics, served_probe_traffic(args, real.max_model_len))
 
 
 def predict_mode(
@@ -454,10 +467,11 @@ def predict_mode(
     rate with the measured median, every measured run and the ratios."""
     rates = list(run.traffics)
     measured = {rate: median_of(runs[rate]) for rate in rates}
+    served_s = predict(run.real, fit, run.served_probe, args.seed, True, scratch)["makespan_s"]
     rows = []
     for rate, traffic in run.traffics.items():
         factor = statistics.fmean(measured[rate]["probe_factors"])
-        served_factor = statistics.fmean(measured[rate]["served_factors"])
+        served_factor = statistics.fmean(m / served_s for m in measured[rate]["served_makespans_s"])
         fits = {"calibrated": (fit, False), "inline": (fit, True)}
         fits["inline_normalised"] = (scaled(fit, factor), True)
         fits["served_normalised"] = (scaled(fit, served_factor), True)
@@ -491,20 +505,29 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        fit = load_fit(fit_path) if args.fit else pooled_fit(args, fit_path, scratch)
+        parts = [] if args.fit else [calibrate_part(args, 0, scratch)]
+        first = load_fit(args.fit or parts[0])
         sync_config = real_config(False, args.threads)
         probe = SpeedProbe(sync_config)
-        saturation = saturation_rate(sync_config, fit, args, scratch)
+        first_saturation = saturation_rate(sync_config, first, args, scratch)
         if args.rates == "auto":
-            rates = [round(f * saturation, 3) for f in RATE_FACTORS]
+            rates = [round(f * first_saturation, 3) for f in RATE_FACTORS]
         else:
             rates = [float(r) for r in args.rates.split(",")]
-        print(f"predicted saturation {saturation:.3f} req/s; rates {rates}", flush=True)
-        modes = {m: mode_run(m, args, rates, fit, scratch) for m in args.modes.split(",")}
+        print(f"predicted saturation {first_saturation:.3f} req/s; rates {rates}", flush=True)
+        schedule = {} if args.fit else calibration_schedule(args.calibrations, args.repeats)
+
+        def calibrate_before(round_: int) -> None:
+            parts.extend(calibrate_part(args, k, scratch) for k in schedule.get(round_, []))
+
+        modes = {m: mode_run(m, args, rates) for m in args.modes.split(",")}
         try:
-            runs = measure(modes, args, probe)
+            runs = measure(modes, args, probe, calibrate_before)
         finally:
             probe.close()
+        fit = first if args.fit else merge_parts(parts, fit_path)
+        saturation = saturation_rate(sync_config, fit, args, scratch)
+        print(f"merged fit: predicted saturation {saturation:.3f} req/s", flush=True)
         for mode, run in modes.items():
             rows += predict_mode(mode, run, runs[mode], args, fit, scratch)
         from fidelity_sensitivity import annotate, print_sensitivity  # it imports this module
@@ -527,6 +550,7 @@ def main() -> None:
         "served_probe_requests": args.served_probe_requests,
         "fit": {"path": str(shown)} | {k: v for k, v in fit.to_json().items() if k != "points"},
         "saturation_rate_predicted": saturation,
+        "saturation_rate_first_calibration": first_saturation,
         "rates": rates,
         "predictions": {
             "calibrated": "tandem simulate as is: the virtual device, the fit as calibrated",

@@ -1,5 +1,7 @@
-"""benchmarks/fidelity_sensitivity.py's arithmetic: elasticities from two predictions a
-known power law apart, and the device-time factor that closes a gap. No model runs."""
+"""benchmarks/simulate_fidelity.py's calibration schedule (every later calibration runs
+exactly once, between measured rounds or after the last, in order) and
+benchmarks/fidelity_sensitivity.py's arithmetic (elasticities from two predictions a known
+power law apart, the device-time factor that closes a gap). No model runs."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ STEP = 0.05
 
 @pytest.fixture(scope="module")
 def sensitivity() -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))  # it imports simulate_fidelity and fidelity_probe by name
+    """fidelity_sensitivity, loaded with benchmarks/ on the path (it imports
+    simulate_fidelity, fidelity_probe and fidelity_replay by name)."""
+    sys.path.insert(0, str(BENCHMARKS))
     try:
         spec = importlib.util.spec_from_file_location(
             "fidelity_sensitivity", BENCHMARKS / "fidelity_sensitivity.py"
@@ -29,6 +33,27 @@ def sensitivity() -> ModuleType:
         return module
     finally:
         sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.fixture(scope="module")
+def fidelity(sensitivity: ModuleType) -> ModuleType:
+    return sys.modules["simulate_fidelity"]
+
+
+@pytest.mark.parametrize("calibrations", [1, 2, 3, 5])
+@pytest.mark.parametrize("repeats", [1, 2, 3, 5])
+def test_every_later_calibration_runs_once_in_order(
+    fidelity: ModuleType, calibrations: int, repeats: int
+) -> None:
+    schedule = fidelity.calibration_schedule(calibrations, repeats)
+    order = [j for round_ in sorted(schedule) for j in schedule[round_]]
+    assert order == list(range(1, calibrations))  # calibration 0 runs before measuring
+    assert all(0 <= round_ <= repeats for round_ in schedule)
+
+
+def test_three_calibrations_spread_over_three_rounds(fidelity: ModuleType) -> None:
+    assert fidelity.calibration_schedule(3, 3) == {1: [1], 2: [2]}
+    assert fidelity.calibration_schedule(3, 5) == {2: [1], 3: [2]}
 
 
 def summary(device_time: float) -> dict:

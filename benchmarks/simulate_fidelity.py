@@ -419,7 +419,8 @@ def parse_args() -> argparse.Namespace:
         "--calibrations",
         type=int,
         default=3,
-        help="calibrations, each in its own process, merged into one fit",
+        help="calibrations, each in its own process (the first before measuring, the others "
+        "between the measured rounds), merged into one fit",
     )
     p.add_argument(
         "--calibrate-rates",
@@ -443,8 +444,10 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=RESULTS / "simulate_fidelity.json")
     args = p.parse_args()
-    if args.served_probe_requests < 1:
-        p.error(f"--served-probe-requests: expected at least 1, got {args.served_probe_requests}")
+    for flag in ("calibrations", "repeats", "served_probe_requests", "requests"):
+        if getattr(args, flag) < 1:
+            name = "--" + flag.replace("_", "-")
+            p.error(f"{name}: expected at least 1, got {getattr(args, flag)}")
     return args
 
 

@@ -42,6 +42,7 @@ from simulate_fidelity import (  # noqa: E402
     MODES,
     RESULTS,
     metric,
+    metric_name,
     predict,
     prompt_seed,
     real_config,
@@ -61,7 +62,7 @@ def elasticities(low: dict[str, Any], high: dict[str, Any], step: float) -> dict
     out: dict[str, float | None] = {}
     for key, pct in METRICS:
         a, b = metric(low, key, pct), metric(high, key, pct)
-        name = f"{key}{'.' + pct if pct else ''}"
+        name = metric_name(key, pct)
         out[name] = math.log(b / a) / span if a and b else None
     return out
 
@@ -109,7 +110,7 @@ def annotate(
 
 def print_sensitivity(rows: list[dict[str, Any]]) -> None:
     heads = ["TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "req/s"]
-    names = [f"{k}{'.' + p if p else ''}" for k, p in METRICS][: len(heads)]
+    names = [metric_name(k, p) for k, p in METRICS][: len(heads)]
     for title, key in (
         ("elasticity: d log(figure) / d log(device time)", "elasticity"),
         ("implied device-time factor (inline prediction)", "implied_device_time_factor"),

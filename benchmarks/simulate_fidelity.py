@@ -350,13 +350,16 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
             out[key] = value
         else:
             out.setdefault(key, {})[pct] = value
-        out["spread"][f"{key}{'.' + pct if pct else ''}"] = (
-            [min(values), max(values)] if values else None
-        )
+        out["spread"][metric_name(key, pct)] = [min(values), max(values)] if values else None
     for run in runs:
         out["probe_factors"] += run["probe_factors"]
         out["served_makespans_s"] += run["served_makespans_s"]
     return out
+
+
+def metric_name(key: str, pct: str | None) -> str:
+    """A compared figure's name in the results (`ttft_ms.p50`, `request_throughput`)."""
+    return f"{key}.{pct}" if pct else key
 
 
 def metric(summary: dict[str, Any], key: str, pct: str | None) -> float | None:
@@ -381,7 +384,7 @@ def ratios(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, flo
     out: dict[str, float | None] = {}
     for key, pct in METRICS:
         p, m = metric(predicted, key, pct), metric(measured, key, pct)
-        out[f"{key}{'.' + pct if pct else ''}"] = p / m if p is not None and m else None
+        out[metric_name(key, pct)] = p / m if p is not None and m else None
     return out
 
 
